@@ -1,0 +1,36 @@
+"""gradcomp: gradient compression kernels with fused error feedback.
+
+Codecs (``gradcomp.Codec(spec)``) compress a flat float32/float16/bfloat16 gradient into a
+fixed-size packet (DESIGN.md section 3); ``gradcomp.torch`` turns them into PyTorch DDP
+communication hooks.
+
+Errors: ``InvalidArgumentError`` (ValueError) for bad arguments, ``CorruptPacketError``
+(ValueError) for packets that fail validation, ``UnsupportedError`` (RuntimeError) for requests
+this build cannot serve (e.g. a CUDA tensor in a CPU-only build), ``CudaError`` (RuntimeError).
+"""
+
+from ._C import (  # noqa: F401
+    CorruptPacketError,
+    CudaError,
+    Error,
+    InvalidArgumentError,
+    UnsupportedError,
+    get_num_threads,
+    set_num_threads,
+)
+from .codec import Codec, build_info, check  # noqa: F401
+
+__version__ = build_info()["version"]
+
+__all__ = [
+    "Codec",
+    "CorruptPacketError",
+    "CudaError",
+    "Error",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "build_info",
+    "check",
+    "get_num_threads",
+    "set_num_threads",
+]

@@ -1,0 +1,249 @@
+"""The Python face of a codec: allocation with the caller's framework, workspace caching, streams.
+
+Tensors are taken zero-copy through DLPack (torch, numpy, or any object with ``__dlpack__``); a
+C-contiguous tensor of any shape is taken as flat, a non-contiguous one raises
+``InvalidArgumentError`` naming its strides. Outputs and workspaces are allocated with the framework
+of the input (torch tensors on the input's device, numpy arrays on the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+
+log = logging.getLogger("gradcomp")
+
+_GRADIENT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is optional for the codec API
+        return None
+    return torch
+
+
+def _is_torch(t: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """Name of a torch dtype, numpy dtype (ml_dtypes bfloat16 included) or string."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif _torch() is not None and isinstance(dtype, _torch().dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        name = np.dtype(dtype).name
+    return name
+
+
+def _numel_dtype(x: Any) -> tuple[int, str]:
+    if _is_torch(x):
+        return x.numel(), _dtype_name(x.dtype)
+    if isinstance(x, np.ndarray):
+        return x.size, x.dtype.name
+    raise _C.InvalidArgumentError(
+        f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}"
+    )
+
+
+def _numpy_view(x: Any) -> tuple[Any, str]:
+    """numpy arrays of ml_dtypes.bfloat16 cannot go through DLPack: pass a uint16 view + override."""
+    if isinstance(x, np.ndarray) and x.dtype.name == "bfloat16":
+        return x.view(np.uint16), "bfloat16"
+    return x, ""
+
+
+def _stream_of(t: Any) -> int:
+    """The caller's current CUDA stream for a CUDA torch tensor (as an int), else 0."""
+    if _is_torch(t) and t.is_cuda:
+        torch = _torch()
+        return int(torch.cuda.current_stream(t.device).cuda_stream)
+    return 0
+
+
+def _empty_bytes(like: Any, nbytes: int):
+    """A 16-byte aligned uint8 buffer of nbytes on like's device, with like's framework."""
+    if _is_torch(like):
+        torch = _torch()
+        buf = torch.empty(nbytes + 16, dtype=torch.uint8, device=like.device)
+        off = (-buf.data_ptr()) % 16
+        return buf[off : off + nbytes]
+    buf = np.empty(nbytes + 16, dtype=np.uint8)
+    off = (-buf.ctypes.data) % 16
+    return buf[off : off + nbytes]
+
+
+def _device_key(t: Any) -> str:
+    return str(t.device) if _is_torch(t) else "cpu"
+
+
+class Codec:
+    """A gradient codec built from a spec string ``name[:key=value,...]``.
+
+    Codecs: ``none``, ``fp16``, ``bf16`` (round-to-nearest-even casts, linear) and
+    ``topk`` (exact top-k by magnitude; keys ``ratio`` in (0, 1] or ``k`` >= 0, ``index`` =
+    auto|u32|u64, ``value_dtype`` = auto|float32|float16|bfloat16). See DESIGN.md section 3.
+
+    Raises:
+        InvalidArgumentError: unknown codec name or key, or an out-of-range value.
+    """
+
+    def __init__(self, spec: str):
+        self._c = _C.Codec(spec)
+        self._workspaces: dict[str, Any] = {}
+
+    # -- description ---------------------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        """Canonical spec string; ``Codec(c.spec)`` is the same codec."""
+        return self._c.spec
+
+    @property
+    def properties(self) -> dict:
+        """``{"linear": bool, "unbiased": bool, "deterministic": bool}``."""
+        return self._c.properties
+
+    def packet_bytes(self, numel: int, dtype: Any = "float32") -> int:
+        """Exact packet size in bytes (a multiple of 16) for ``numel`` elements of ``dtype``."""
+        return self._c.packet_bytes(int(numel), _dtype_name(dtype))
+
+    def payload(self, numel: int, dtype: Any = "float32") -> Optional[tuple[int, int, str]]:
+        """For linear codecs, ``(byte_offset, count, wire_dtype)`` of the summable part of the
+        packet (count = numel + 1: the last element is the non-finite sentinel); else None."""
+        return self._c.payload(int(numel), _dtype_name(dtype))
+
+    def main_param(self, numel: int) -> int:
+        """The codec's main parameter for ``numel`` elements (k for top-k, 0 for casts)."""
+        return self._c.main_param(int(numel))
+
+    def __repr__(self) -> str:
+        return f"gradcomp.Codec({self.spec!r})"
+
+    # -- workspaces ----------------------------------------------------------------------------
+    def workspace(self, like: Any, numel: int = 0, dtype: Any = "float32"):
+        """The cached workspace for like's device, grown to fit (numel, dtype). Its first 16
+        bytes hold the status word that ``gradcomp.check`` reads."""
+        cuda = _is_torch(like) and like.is_cuda
+        need = self._c.workspace_bytes(int(numel), _dtype_name(dtype), cuda)
+        key = _device_key(like)
+        ws = self._workspaces.get(key)
+        size = (ws.numel() if _is_torch(ws) else ws.size) if ws is not None else -1
+        if size < need:
+            ws = _empty_bytes(like, max(need, 16))
+            ws[:16] = 0
+            self._workspaces[key] = ws
+        return ws
+
+    # -- encode / decode -----------------------------------------------------------------------
+    def encode(self, x: Any, residual: Any = None, out: Any = None, divisor: float = 1.0,
+               workspace: Any = None):
+        """Compress ``x`` into a packet.
+
+        Args:
+            x: C-contiguous float32/float16/bfloat16 tensor (torch or numpy), taken as flat.
+            residual: float32 tensor of x.numel() elements on x's device, or None. With a
+                residual the same pass computes x' = x + residual and leaves
+                residual = x' - divisor * decode(packet) (error feedback).
+            out: uint8 buffer of at least ``packet_bytes`` bytes (16-byte aligned), written in
+                place; allocated with x's framework when None.
+            divisor: x' is divided by it before compression (e.g. the world size).
+            workspace: scratch buffer; the codec's cached one when None.
+
+        Returns:
+            The packet (``out``).
+
+        Raises:
+            InvalidArgumentError: wrong dtype, size, device or alignment; a non-contiguous or
+                read-only tensor.
+            UnsupportedError: a CUDA tensor in a CPU-only build.
+        """
+        numel, dtype = _numel_dtype(x)
+        if dtype not in _GRADIENT_DTYPES:
+            raise _C.InvalidArgumentError(
+                f"encode: x has dtype {dtype}; accepted: float32, float16, bfloat16"
+            )
+        if out is None:
+            out = _empty_bytes(x, self.packet_bytes(numel, dtype))
+        if workspace is None:
+            workspace = self.workspace(x, numel, dtype)
+        xv, xo = _numpy_view(x)
+        self._c.encode(xv, residual, out, workspace, float(divisor), _stream_of(x), xo)
+        return out
+
+    def decode(self, packet: Any, out: Any = None, numel: Optional[int] = None,
+               dtype: Any = "float32", accumulate: bool = False, alpha: float = 1.0,
+               workspace: Any = None):
+        """Decode a packet: ``out = alpha * D(packet)`` or, with accumulate, ``out += ...``.
+
+        Args:
+            packet: uint8 buffer produced by ``encode`` of this codec.
+            out: float32/float16/bfloat16 tensor whose numel is the packet's; allocated with the
+                packet's framework on its device (zeros) when None, then ``numel`` is required.
+            numel, dtype: size and dtype of the allocated ``out``.
+            accumulate: add into ``out`` instead of overwriting it.
+            alpha: scale applied to every decoded value.
+            workspace: receives the status word; the codec's cached one when None.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            CorruptPacketError: (CPU) the packet does not match this codec, numel or dtype, or
+                carries an index out of range, out of order or repeated; nothing is written.
+            InvalidArgumentError: bad arguments, e.g. out=None without numel.
+        """
+        if out is None:
+            if numel is None:
+                raise _C.InvalidArgumentError("decode: out=None needs numel= (the packet's element count)")
+            name = _dtype_name(dtype)
+            if name not in _GRADIENT_DTYPES:
+                raise _C.InvalidArgumentError(
+                    f"decode: dtype {name} is not accepted; accepted: float32, float16, bfloat16"
+                )
+            if _is_torch(packet):
+                torch = _torch()
+                out = torch.zeros(int(numel), dtype=getattr(torch, name), device=packet.device)
+            else:
+                if name == "bfloat16":
+                    import ml_dtypes
+
+                    out = np.zeros(int(numel), dtype=ml_dtypes.bfloat16)
+                else:
+                    out = np.zeros(int(numel), dtype=name)
+        if workspace is None:
+            workspace = self.workspace(packet)
+        ov, oo = _numpy_view(out)
+        self._c.decode(packet, ov, workspace, bool(accumulate), float(alpha), _stream_of(packet), oo)
+        return out
+
+
+def check(workspace: Any, stream: Any = None, clear: bool = True) -> int:
+    """Read (and clear) the status word of a workspace; synchronizes with ``stream`` on CUDA.
+
+    Returns the status bits: 0 when clean, ``1`` when a decoded packet carried the non-finite
+    flag. Raises ``CorruptPacketError`` when a CUDA decode skipped invalid packet entries.
+    """
+    s = 0
+    if stream is not None:
+        s = int(getattr(stream, "cuda_stream", stream))
+    elif _is_torch(workspace) and workspace.is_cuda:
+        s = _stream_of(workspace)
+    bits = _C.read_status(workspace, s, clear)
+    if bits & _C.STATUS_CORRUPT:
+        raise _C.CorruptPacketError(
+            f"check: a decode on this workspace met a corrupt packet (status 0x{bits:x}); invalid entries were skipped"
+        )
+    return bits
+
+
+def build_info() -> dict:
+    """Version, CUDA on/off, CUDA architectures and toolkit, OpenMP, DLPack version."""
+    return _C.build_info()

@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: Apache-2.0
+// gradcomp._C: the thin pybind11 layer. It turns DLPack tensors into gradcomp::Tensor views and
+// calls the core with the GIL released; policy (allocation, workspace caching, schemes) lives in
+// the Python package.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "dlpack_bridge.hpp"
+
+namespace py = pybind11;
+using namespace gradcomp;
+using gradcomp::python::DLOwner;
+using gradcomp::python::from_dlpack;
+
+namespace {
+
+DType parse_dtype(const std::string& name) { return dtype_from_name(name); }
+
+struct PyCodec {
+  std::shared_ptr<Codec> c;
+  explicit PyCodec(const std::string& spec) : c(Codec::create(spec)) {}
+
+  void encode(py::handle x, py::handle residual, py::handle packet, py::handle workspace, float divisor,
+              intptr_t stream, const std::string& x_dtype_override) {
+    DLOwner ox, or_, op, ow;
+    const DType xo = x_dtype_override.empty() ? DType::none : parse_dtype(x_dtype_override);
+    Tensor tx = from_dlpack(x, ox, "encode: x", stream, xo);
+    Tensor tr;
+    const bool has_r = !residual.is_none();
+    if (has_r) tr = from_dlpack(residual, or_, "encode: residual", stream);
+    Tensor tp = from_dlpack(packet, op, "encode: packet", stream);
+    Tensor tw = from_dlpack(workspace, ow, "encode: workspace", stream);
+    // byte buffers may come in any dtype; the codec checks byte sizes
+    py::gil_scoped_release nogil;
+    c->encode(tx, has_r ? &tr : nullptr, tp, tw, Stream{reinterpret_cast<void*>(stream)}, divisor);
+  }
+
+  void decode(py::handle packet, py::handle out, py::handle workspace, bool accumulate, float alpha, intptr_t stream,
+              const std::string& out_dtype_override) {
+    DLOwner op, oo, ow;
+    const DType oo_t = out_dtype_override.empty() ? DType::none : parse_dtype(out_dtype_override);
+    Tensor tp = from_dlpack(packet, op, "decode: packet", stream);
+    Tensor to = from_dlpack(out, oo, "decode: out", stream, oo_t);
+    Tensor tw;
+    if (!workspace.is_none()) tw = from_dlpack(workspace, ow, "decode: workspace", stream);
+    py::gil_scoped_release nogil;
+    c->decode(tp, to, tw, accumulate ? DecodeMode::accumulate : DecodeMode::assign, alpha,
+              Stream{reinterpret_cast<void*>(stream)});
+  }
+};
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gradcomp native core (pybind11). Use the gradcomp package, not this module directly.";
+
+  py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<InvalidArgument>(m, "InvalidArgumentError", PyExc_ValueError);
+  py::register_exception<CorruptPacket>(m, "CorruptPacketError", PyExc_ValueError);
+  py::register_exception<Unsupported>(m, "UnsupportedError", PyExc_RuntimeError);
+  py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+
+  m.def("set_num_threads", &set_num_threads, py::arg("n"),
+        "Threads used by the CPU backend (OpenMP). Raises InvalidArgumentError for n < 1.");
+  m.def("get_num_threads", &get_num_threads);
+  m.def("build_info", []() {
+    BuildInfo b = build_info();
+    py::dict d;
+    d["version"] = b.version;
+    d["cuda"] = b.cuda;
+    d["cuda_architectures"] = b.cuda_architectures;
+    d["cuda_version"] = b.cuda_version;
+    d["openmp"] = b.openmp;
+    d["dlpack_version"] = DLPACK_VERSION;
+    return d;
+  });
+  m.def(
+      "read_status",
+      [](py::handle workspace, intptr_t stream, bool clear) {
+        DLOwner ow;
+        Tensor tw = from_dlpack(workspace, ow, "check: workspace", stream);
+        py::gil_scoped_release nogil;
+        return read_status(tw, Stream{reinterpret_cast<void*>(stream)}, clear);
+      },
+      py::arg("workspace"), py::arg("stream") = 0, py::arg("clear") = true);
+  m.attr("STATUS_NONFINITE") = kStatusNonFinite;
+  m.attr("STATUS_CORRUPT") = kStatusCorrupt;
+  m.attr("HEADER_BYTES") = kHeaderBytes;
+
+  py::class_<PyCodec>(m, "Codec")
+      .def(py::init<const std::string&>(), py::arg("spec"))
+      .def_property_readonly("spec", [](const PyCodec& s) { return s.c->spec(); })
+      .def_property_readonly("codec_id", [](const PyCodec& s) { return static_cast<int>(s.c->id()); })
+      .def_property_readonly("spec_hash", [](const PyCodec& s) { return s.c->spec_hash(); })
+      .def_property_readonly("properties",
+                             [](const PyCodec& s) {
+                               const CodecProperties p = s.c->properties();
+                               py::dict d;
+                               d["linear"] = p.linear;
+                               d["unbiased"] = p.unbiased;
+                               d["deterministic"] = p.deterministic;
+                               return d;
+                             })
+      .def("packet_bytes",
+           [](const PyCodec& s, int64_t numel, const std::string& dtype) {
+             return s.c->packet_bytes(numel, parse_dtype(dtype));
+           },
+           py::arg("numel"), py::arg("dtype"))
+      .def("workspace_bytes",
+           [](const PyCodec& s, int64_t numel, const std::string& dtype, bool cuda) {
+             return s.c->workspace_bytes(numel, parse_dtype(dtype), Device{cuda ? DeviceKind::cuda : DeviceKind::cpu, 0});
+           },
+           py::arg("numel"), py::arg("dtype"), py::arg("cuda") = false)
+      .def("payload",
+           [](const PyCodec& s, int64_t numel, const std::string& dtype) -> py::object {
+             auto p = s.c->payload(numel, parse_dtype(dtype));
+             if (!p) return py::none();
+             return py::make_tuple(p->byte_offset, p->count, std::string(dtype_name(p->dtype)));
+           },
+           py::arg("numel"), py::arg("dtype"))
+      .def("main_param", [](const PyCodec& s, int64_t numel) { return s.c->main_param(numel); }, py::arg("numel"))
+      .def("encode", &PyCodec::encode, py::arg("x"), py::arg("residual"), py::arg("packet"), py::arg("workspace"),
+           py::arg("divisor") = 1.0f, py::arg("stream") = 0, py::arg("x_dtype") = "")
+      .def("decode", &PyCodec::decode, py::arg("packet"), py::arg("out"), py::arg("workspace"),
+           py::arg("accumulate") = false, py::arg("alpha") = 1.0f, py::arg("stream") = 0, py::arg("out_dtype") = "");
+}

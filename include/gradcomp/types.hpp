@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file types.hpp
+//! Core value types of gradcomp: element types, devices, non-owning tensor views, streams.
+//! Compiles with any C++20 compiler; includes no CUDA or CCCL header (DESIGN.md section 1).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace gradcomp {
+
+//! Element types, named as in PyTorch / ml_dtypes. The numeric values are the codes written into
+//! packet headers (bytes 8-10) and never change.
+enum class DType : uint8_t {
+  float32 = 0,
+  float16 = 1,
+  bfloat16 = 2,
+  float8_e4m3fn = 3,
+  float8_e5m2 = 4,
+  int8 = 5,
+  uint8 = 6,
+  int32 = 7,
+  int64 = 8,
+  uint32 = 9,  //!< packet index sections
+  uint64 = 10, //!< packet index sections
+  none = 255,  //!< "no such section" in a packet header
+};
+
+//! Bytes per element of `t` (0 for DType::none).
+constexpr int64_t dtype_size(DType t) noexcept {
+  switch (t) {
+    case DType::float32: case DType::int32: case DType::uint32: return 4;
+    case DType::float16: case DType::bfloat16: return 2;
+    case DType::float8_e4m3fn: case DType::float8_e5m2: case DType::int8: case DType::uint8: return 1;
+    case DType::int64: case DType::uint64: return 8;
+    case DType::none: return 0;
+  }
+  return 0;
+}
+
+//! True for the three gradient dtypes every codec accepts: float32, float16, bfloat16.
+constexpr bool is_gradient_dtype(DType t) noexcept {
+  return t == DType::float32 || t == DType::float16 || t == DType::bfloat16;
+}
+
+//! Name as PyTorch / ml_dtypes spell it ("float32", "bfloat16", "float8_e4m3fn", ...).
+std::string_view dtype_name(DType t) noexcept;
+//! Inverse of dtype_name. Throws InvalidArgument naming `name` and listing the accepted names.
+DType dtype_from_name(std::string_view name);
+
+enum class DeviceKind : uint8_t { cpu = 0, cuda = 1 };
+
+//! Where a tensor lives: {cpu, 0} or {cuda, ordinal}.
+struct Device {
+  DeviceKind kind = DeviceKind::cpu;
+  int index = 0;
+  friend bool operator==(const Device&, const Device&) = default;
+};
+std::string to_string(Device d);
+
+//! Non-owning view of a C-contiguous tensor, taken as flat: `numel` elements of `dtype` starting
+//! at `data` (may be null when numel == 0). Sizes are 64-bit; tensors of 2^31 elements and more work.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::float32;
+  int64_t numel = 0;
+  Device device{};
+
+  int64_t nbytes() const noexcept { return numel * dtype_size(dtype); }
+  template <class T> T* ptr() const noexcept { return static_cast<T*>(data); }
+};
+
+//! A CUDA stream as an opaque handle (the `cudaStream_t` value; null = legacy default stream).
+//! Ignored on the CPU.
+struct Stream {
+  void* handle = nullptr;
+};
+
+//! Threads used by the CPU backend (OpenMP). Default: GRADCOMP_NUM_THREADS if set, else
+//! the OpenMP default. set_num_threads(n) with n < 1 throws InvalidArgument.
+void set_num_threads(int n);
+int get_num_threads() noexcept;
+
+//! What this build contains (gradcomp.build_info() in Python).
+struct BuildInfo {
+  std::string version;
+  bool cuda = false;
+  std::string cuda_architectures; //!< e.g. "80;90", empty without CUDA
+  std::string cuda_version;       //!< toolkit version the kernels were built with
+  bool openmp = false;
+  int dlpack_version = 0; //!< filled by the Python bindings
+};
+BuildInfo build_info();
+
+} // namespace gradcomp

@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: Apache-2.0
+// Codec spec parsing: "name[:key=value,...]" (DESIGN.md section 3).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <string_view>
+
+namespace gradcomp::detail {
+
+struct ParsedSpec {
+  std::string name;
+  std::map<std::string, std::string, std::less<>> options;
+  std::string text; //!< the spec as given, for messages
+};
+
+//! Split a spec into name and key=value pairs. Throws InvalidArgument on empty names/keys/values,
+//! a missing '=', or a repeated key.
+ParsedSpec parse_spec(std::string_view spec);
+
+//! Throw InvalidArgument for a key of `s` not in `allowed`, listing the accepted keys.
+void check_keys(const ParsedSpec& s, std::initializer_list<std::string_view> allowed);
+
+//! Parse a binary64 / int64 option value; InvalidArgument naming key and value on failure.
+double parse_double(const ParsedSpec& s, std::string_view key, std::string_view value);
+int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view value);
+
+//! Shortest decimal string that parses back to exactly `v` (std::to_chars).
+std::string format_double(double v);
+
+} // namespace gradcomp::detail

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+// CPU backend of the cast codecs none / fp16 / bf16 (DESIGN.md section 3): round-to-nearest-even
+// casts with error feedback fused into the same pass, and decode (assign / accumulate, alpha).
+#include <cstring>
+#include <limits>
+
+#include "../core/backend.hpp"
+#include "elem.hpp"
+
+namespace gradcomp::detail::cpu {
+namespace {
+
+using common::float_bits;
+using common::is_finite_bits;
+
+template <class In, class W, bool HasRes, bool Div1>
+uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict r, typename W::storage* __restrict out,
+                     int64_t n, float div) {
+  uint32_t flag = 0;
+  const int T = threads_for(n);
+#pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
+  for (int64_t i = 0; i < n; ++i) {
+    float xp = In::load(x[i]);
+    if constexpr (HasRes) xp = xp + r[i];
+    const float y = Div1 ? xp : xp / div;
+    const auto c = W::store(y);
+    const float d = W::load(c);
+    out[i] = c;
+    if constexpr (HasRes) r[i] = Div1 ? xp - d : xp - div * d;
+    flag |= static_cast<uint32_t>(!is_finite_bits(float_bits(y)) | !is_finite_bits(float_bits(d)));
+  }
+  return flag;
+}
+
+template <class W, class O>
+void decode_loop(const typename W::storage* __restrict in, typename O::storage* __restrict out, int64_t n, float alpha,
+                 bool accumulate) {
+  const int T = threads_for(n);
+  if (accumulate) {
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = O::store(O::load(out[i]) + W::load(in[i]) * alpha);
+  } else {
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = O::store(W::load(in[i]) * alpha);
+  }
+}
+
+} // namespace
+
+void cast_encode(const CastPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
+                 float divisor) {
+  PacketHeader h = hdr;
+  uint32_t flag = 0;
+  dispatch_float(p.input, [&](auto in) {
+    using In = decltype(in);
+    dispatch_float(p.wire, [&](auto w) {
+      using W = decltype(w);
+      const auto* xs = x.ptr<const typename In::storage>();
+      auto* out = reinterpret_cast<typename W::storage*>(packet + kHeaderBytes);
+      const bool div1 = divisor == 1.0f;
+      if (residual) {
+        flag = div1 ? encode_loop<In, W, true, true>(xs, residual, out, p.numel, divisor)
+                    : encode_loop<In, W, true, false>(xs, residual, out, p.numel, divisor);
+      } else {
+        flag = div1 ? encode_loop<In, W, false, true>(xs, nullptr, out, p.numel, divisor)
+                    : encode_loop<In, W, false, false>(xs, nullptr, out, p.numel, divisor);
+      }
+      // The non-finite sentinel: an extra wire element that survives a sum allreduce.
+      out[p.numel] = W::store(flag ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+      // Zero the padding so packets are byte-deterministic.
+      auto* end = reinterpret_cast<uint8_t*>(out + p.numel + 1);
+      std::memset(end, 0, static_cast<size_t>(packet + kHeaderBytes + align16((p.numel + 1) * dtype_size(p.wire)) - end));
+    });
+  });
+  h.flags = flag ? kFlagNonFinite : 0;
+  std::memcpy(packet, &h, sizeof h);
+}
+
+void cast_decode(const CastPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
+                 uint32_t* status) {
+  PacketHeader h;
+  std::memcpy(&h, packet, sizeof h);
+  bool nonfinite = (h.flags & kFlagNonFinite) != 0;
+  dispatch_float(p.wire, [&](auto w) {
+    using W = decltype(w);
+    const auto* in = reinterpret_cast<const typename W::storage*>(packet + kHeaderBytes);
+    nonfinite = nonfinite || !is_finite_bits(float_bits(W::load(in[p.numel])));
+    dispatch_float(out.dtype, [&](auto o) {
+      using O = decltype(o);
+      decode_loop<W, O>(in, out.ptr<typename O::storage>(), p.numel, alpha, mode == DecodeMode::accumulate);
+      if (nonfinite && p.numel > 0) out.ptr<typename O::storage>()[0] = O::store(std::numeric_limits<float>::quiet_NaN());
+    });
+  });
+  if (nonfinite && status) *status |= kStatusNonFinite;
+}
+
+} // namespace gradcomp::detail::cpu

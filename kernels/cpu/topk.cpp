@@ -1,0 +1,403 @@
+// SPDX-License-Identifier: Apache-2.0
+// CPU backend of exact top-k by magnitude (DESIGN.md section 3) with fused error feedback.
+//
+// Algorithm: a parallel MSD radix select over the 31-bit |y| keys (common::abs_key), digits of
+// 11, 11 and 9 bits, in the manner of AIR Top-K (Zhang et al., "Parallel Top-K Algorithms on GPU",
+// SC'23, section 4) adapted to threads:
+//   * each pass builds per-thread histograms of the current digit over the current candidates
+//     (the elements whose higher digits equal the prefix of the k-th key);
+//   * the bucket holding the k-th key becomes the new prefix; elements above it are selected for
+//     sure, and per-thread counts of both are kept;
+//   * the pass after the first also filters the candidates (and the sure elements) into a buffer,
+//     in index order, as long as they are few (adaptive buffer, capacity ~n/16); later passes then
+//     read only the buffer; with too many candidates the next pass re-reads the input instead;
+//   * early stop as soon as the candidates exactly fill k;
+//   * ties at the k-th key go to the lowest indices: threads own contiguous index ranges, so a
+//     prefix sum over the per-thread tie counts decides which ties each thread keeps, and each
+//     thread writes its selection at its prefix-sum offset -- output indices ascend, and the result
+//     does not depend on the thread count.
+// Passes over the input: 2 when the candidates fit the buffer or stop early, 3-4 otherwise.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "../core/backend.hpp"
+#include "elem.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace gradcomp::detail::cpu {
+namespace {
+
+using common::abs_key;
+using common::float_bits;
+using common::is_finite_bits;
+constexpr int kB = common::kRadixBuckets;
+
+inline int thread_id() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+inline int team_size() {
+#if defined(_OPENMP)
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+// Where y comes from: x (converted to float32), plus the residual, divided by the divisor.
+template <class In, bool HasRes, bool Div1>
+struct Source {
+  const typename In::storage* x;
+  float* r;
+  float div;
+  // First touch: x' = fl(x + r) is stored into r (it is r_new for every element not sent).
+  float first(int64_t i) const {
+    float xp = In::load(x[i]);
+    if constexpr (HasRes) {
+      xp = xp + r[i];
+      r[i] = xp;
+    }
+    return Div1 ? xp : xp / div;
+  }
+  float xprime(int64_t i) const {
+    if constexpr (HasRes) return r[i];
+    else return In::load(x[i]);
+  }
+  float again(int64_t i) const { return Div1 ? xprime(i) : xprime(i) / div; }
+  // r_new of a sent element whose decoded value is d.
+  void settle(int64_t i, float xp, float d) const {
+    if constexpr (HasRes) r[i] = Div1 ? xp - d : xp - div * d;
+  }
+};
+
+// Workspace layout (after the 16-byte status word): per-thread histograms (u64), per-thread
+// counters, then the candidate buffer (keys u32, indices u64).
+struct Workspace {
+  uint64_t* hist;     // [T][kB]
+  int64_t* above;     // [T] selected for sure so far
+  int64_t* cls;       // [T] in the current class (prefix bucket)
+  int64_t* off;       // [T] buffer segment of each thread: [off, end)
+  int64_t* end;       // [T]
+  uint32_t* cand_key; // [cap]
+  uint64_t* cand_idx; // [cap]
+  int64_t cap;
+
+  static int64_t bytes(int T, int64_t cap) {
+    return kStatusBytes + int64_t(T) * kB * 8 + 4 * int64_t(T) * 8 + align16(cap * 4) + cap * 8;
+  }
+  Workspace(uint8_t* base, int T, int64_t cap_) : cap(cap_) {
+    uint8_t* p = base + kStatusBytes;
+    hist = reinterpret_cast<uint64_t*>(p);
+    p += int64_t(T) * kB * 8;
+    above = reinterpret_cast<int64_t*>(p);
+    cls = above + T;
+    off = cls + T;
+    end = off + T;
+    p += 4 * int64_t(T) * 8;
+    cand_key = reinterpret_cast<uint32_t*>(p);
+    p += align16(cap * 4);
+    cand_idx = reinterpret_cast<uint64_t*>(p);
+  }
+};
+
+// Histogram of digit (key >> shift) & mask over keys with lo <= key <= hi (all keys when
+// filtering is off), for i in [b, e). Two interleaved sub-histograms break the dependency chain
+// of repeated increments of one bucket (gradients concentrate in few exponents).
+template <bool Filter, class KeyAt>
+void histogram(int64_t b, int64_t e, KeyAt key_at, int shift, uint32_t mask, uint32_t lo, uint32_t hi, uint64_t* out) {
+  alignas(64) uint32_t h[2][kB];
+  for (int64_t blk = b; blk < e; blk += int64_t(1) << 30) {
+    const int64_t be = std::min(e, blk + (int64_t(1) << 30));
+    std::memset(h, 0, sizeof h);
+    int64_t i = blk;
+    for (; i + 1 < be; i += 2) {
+      const uint32_t k0 = key_at(i), k1 = key_at(i + 1);
+      if (!Filter || (k0 >= lo && k0 <= hi)) ++h[0][(k0 >> shift) & mask];
+      if (!Filter || (k1 >= lo && k1 <= hi)) ++h[1][(k1 >> shift) & mask];
+    }
+    if (i < be) {
+      const uint32_t k0 = key_at(i);
+      if (!Filter || (k0 >= lo && k0 <= hi)) ++h[0][(k0 >> shift) & mask];
+    }
+    for (int d = 0; d < kB; ++d) out[d] += uint64_t(h[0][d]) + h[1][d];
+  }
+}
+
+struct Selection {
+  int level = 0;
+  uint32_t prefix = 0; // digits fixed so far
+  int64_t k_rem = 0;   // still to take from the current class
+  int64_t cls = 0;     // elements in the current class
+  uint32_t lo() const { return prefix << common::kRadixShift[level]; }
+  uint32_t hi() const {
+    const int s = common::kRadixShift[level];
+    return s == 0 ? prefix : (((prefix + 1u) << s) - 1u);
+  }
+};
+
+// Merge per-thread histograms, find the bucket of the k-th key among the current class, and
+// advance the selection.
+void choose(Selection& s, Workspace& w, int T, int next_level, bool first) {
+  uint64_t total[kB];
+  for (int d = 0; d < kB; ++d) {
+    uint64_t sum = 0;
+    for (int t = 0; t < T; ++t) sum += w.hist[int64_t(t) * kB + d];
+    total[d] = sum;
+  }
+  int64_t acc = 0;
+  int b = 0;
+  for (int d = kB - 1; d >= 0; --d) {
+    if (acc + int64_t(total[d]) >= s.k_rem) {
+      b = d;
+      break;
+    }
+    acc += int64_t(total[d]);
+  }
+  for (int t = 0; t < T; ++t) {
+    const uint64_t* h = w.hist + int64_t(t) * kB;
+    int64_t a = 0;
+    for (int d = b + 1; d < kB; ++d) a += int64_t(h[d]);
+    w.above[t] = (first ? 0 : w.above[t]) + a;
+    w.cls[t] = int64_t(h[b]);
+  }
+  s.k_rem -= acc;
+  s.cls = int64_t(total[b]);
+  s.prefix = first ? uint32_t(b) : ((s.prefix << common::kRadixBits[next_level]) | uint32_t(b));
+  s.level = next_level;
+}
+
+template <class V, class I, class In, bool HasRes, bool Div1>
+void topk_run(const TopKPlan& p, const Source<In, HasRes, Div1>& src, uint8_t* packet, PacketHeader h, uint8_t* ws_base) {
+  const int64_t n = p.numel, k = p.k;
+  auto* out_idx = reinterpret_cast<I*>(packet + kHeaderBytes);
+  auto* out_val = reinterpret_cast<typename V::storage*>(packet + p.values_offset);
+  uint32_t flag = 0;
+
+  // Trivial selections: nothing, or everything.
+  if (k == 0 || k == n) {
+    const int T = threads_for(n);
+#pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
+    for (int64_t i = 0; i < n; ++i) {
+      const float y = src.first(i);
+      flag |= !is_finite_bits(float_bits(y));
+      if (k == n) {
+        const auto c = V::store(y);
+        const float d = V::load(c);
+        out_idx[i] = I(i);
+        out_val[i] = c;
+        src.settle(i, src.xprime(i), d);
+        flag |= !is_finite_bits(float_bits(d));
+      }
+    }
+  } else {
+    const int T = threads_for(n);
+    Workspace w(ws_base, T, p.candidate_capacity);
+    Selection s;
+    s.k_rem = k;
+    bool buffered = false;
+    uint32_t nonfinite_sent = 0;
+
+    // Level 0: one full read; first touch stores x' into the residual.
+#pragma omp parallel num_threads(T)
+    for (int t = thread_id(); t < T; t += team_size()) {
+      int64_t b, e;
+      partition(n, T, t, b, e);
+      uint64_t* hist = w.hist + int64_t(t) * kB;
+      std::fill(hist, hist + kB, 0);
+      histogram<false>(b, e, [&](int64_t i) { return abs_key(src.first(i)); }, 20, kB - 1, 0, 0, hist);
+    }
+    {
+      uint64_t nf = 0;
+      for (int t = 0; t < T; ++t) nf += w.hist[int64_t(t) * kB + common::kNonFiniteDigit0];
+      flag |= nf != 0;
+    }
+    choose(s, w, T, 0, true);
+
+    // Refine until the class exactly fills k_rem (early stop) or the key is fully resolved.
+    while (s.cls != s.k_rem && s.level + 1 < common::kRadixLevels) {
+      const int nl = s.level + 1;
+      const int shift = common::kRadixShift[nl];
+      const uint32_t mask = (1u << common::kRadixBits[nl]) - 1u;
+      const uint32_t lo = s.lo(), hi = s.hi();
+      int64_t above_total = 0;
+      for (int t = 0; t < T; ++t) above_total += w.above[t];
+      const bool fill = !buffered && above_total + s.cls <= w.cap;
+      if (fill) {
+        int64_t o = 0;
+        for (int t = 0; t < T; ++t) {
+          w.off[t] = o;
+          o += w.above[t] + w.cls[t];
+          w.end[t] = o;
+        }
+      }
+#pragma omp parallel num_threads(T)
+      for (int t = thread_id(); t < T; t += team_size()) {
+        uint64_t* hist = w.hist + int64_t(t) * kB;
+        std::fill(hist, hist + kB, 0);
+        int64_t b, e;
+        if (buffered) {  // read the buffer segment of this thread
+          // entries that fell below lo stay in the segment and are skipped by the filter
+          const uint32_t* keys = w.cand_key;
+          histogram<true>(w.off[t], w.end[t], [&](int64_t i) { return keys[i]; }, shift, mask, lo, hi, hist);
+        } else if (fill) {  // filter into the buffer, fused with the next histogram
+          partition(n, T, t, b, e);
+          int64_t o = w.off[t];
+          for (int64_t i = b; i < e; ++i) {
+            const uint32_t key = abs_key(src.again(i));
+            if (key >= lo) {
+              w.cand_key[o] = key;
+              w.cand_idx[o] = uint64_t(i);
+              ++o;
+              if (key <= hi) ++hist[(key >> shift) & mask];
+            }
+          }
+        } else {  // too many candidates to buffer: re-read the input
+          partition(n, T, t, b, e);
+          histogram<true>(b, e, [&](int64_t i) { return abs_key(src.again(i)); }, shift, mask, lo, hi, hist);
+        }
+      }
+      buffered = buffered || fill;
+      choose(s, w, T, nl, false);
+    }
+
+    // Final: select key > hi, and the first k_rem elements (in index order) of the class.
+    const uint32_t lo = s.lo(), hi = s.hi();
+    std::vector<int64_t> take(T), dst(T);
+    {
+      int64_t before = 0, o = 0;
+      for (int t = 0; t < T; ++t) {
+        take[t] = std::clamp<int64_t>(s.k_rem - before, 0, w.cls[t]);
+        before += w.cls[t];
+        dst[t] = o;
+        o += w.above[t] + take[t];
+      }
+    }
+#pragma omp parallel num_threads(T) reduction(| : nonfinite_sent)
+    for (int t = thread_id(); t < T; t += team_size()) {
+      int64_t o = dst[t], taken = 0;
+      auto emit = [&](int64_t i, uint32_t key) {
+        if (key > hi || taken++ < take[t]) {
+          const float xp = src.xprime(i);
+          const float y = Div1 ? xp : xp / src.div;
+          const auto c = V::store(y);
+          const float d = V::load(c);
+          out_idx[o] = I(i);
+          out_val[o] = c;
+          ++o;
+          src.settle(i, xp, d);
+          nonfinite_sent |= !is_finite_bits(float_bits(d));
+        }
+      };
+      if (buffered) {
+        for (int64_t j = w.off[t]; j < w.end[t]; ++j)
+          if (w.cand_key[j] >= lo) emit(int64_t(w.cand_idx[j]), w.cand_key[j]);
+      } else {
+        int64_t b, e;
+        partition(n, T, t, b, e);
+        for (int64_t i = b; i < e; ++i) {
+          const uint32_t key = abs_key(src.again(i));
+          if (key >= lo) emit(i, key);
+        }
+      }
+    }
+    flag |= nonfinite_sent;
+  }
+  // Zero the padding after each section so packets are byte-deterministic.
+  std::memset(packet + kHeaderBytes + k * sizeof(I), 0, size_t(p.values_offset - kHeaderBytes - k * int64_t(sizeof(I))));
+  const int64_t vend = p.values_offset + k * int64_t(sizeof(typename V::storage));
+  std::memset(packet + vend, 0, size_t(align16(vend) - vend));
+  h.flags = flag ? kFlagNonFinite : 0;
+  std::memcpy(packet, &h, sizeof h);
+}
+
+} // namespace
+
+int64_t topk_workspace_bytes(const TopKPlan& p, int threads) {
+  return Workspace::bytes(std::max(1, threads), p.candidate_capacity);
+}
+
+void topk_encode(const TopKPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
+                 uint8_t* workspace, int64_t workspace_bytes, float divisor) {
+  (void)workspace_bytes;
+  dispatch_float(p.input, [&](auto in) {
+    using In = decltype(in);
+    dispatch_float(p.value_dtype, [&](auto v) {
+      using V = decltype(v);
+      auto go = [&](auto src) {
+        if (p.index_dtype == DType::uint64) topk_run<V, uint64_t>(p, src, packet, hdr, workspace);
+        else topk_run<V, uint32_t>(p, src, packet, hdr, workspace);
+      };
+      const auto* xs = x.ptr<const typename In::storage>();
+      const bool div1 = divisor == 1.0f;
+      if (residual) {
+        if (div1) go(Source<In, true, true>{xs, residual, divisor});
+        else go(Source<In, true, false>{xs, residual, divisor});
+      } else {
+        if (div1) go(Source<In, false, true>{xs, nullptr, divisor});
+        else go(Source<In, false, false>{xs, nullptr, divisor});
+      }
+    });
+  });
+}
+
+namespace {
+template <class I, class V, class O>
+void topk_decode_t(const TopKPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
+                   uint32_t* status) {
+  const int64_t n = p.numel, k = p.k;
+  const auto* idx = reinterpret_cast<const I*>(packet + kHeaderBytes);
+  const auto* val = reinterpret_cast<const typename V::storage*>(packet + p.values_offset);
+  // Validate every index before writing anything.
+  for (int64_t j = 0; j < k; ++j) {
+    const uint64_t i = idx[j];
+    if (i >= uint64_t(n)) {
+      if (status) *status |= kStatusCorrupt;
+      throw CorruptPacket(detail::concat("decode: top-k packet entry ", j, " has index ", i, " >= numel ", n));
+    }
+    if (j > 0 && i <= uint64_t(idx[j - 1])) {
+      if (status) *status |= kStatusCorrupt;
+      throw CorruptPacket(detail::concat("decode: top-k packet indices must ascend strictly; entry ", j, " has index ",
+                                         i, " after ", uint64_t(idx[j - 1]),
+                                         i == uint64_t(idx[j - 1]) ? " (repeated)" : " (out of order)"));
+    }
+  }
+  auto* o = out.ptr<typename O::storage>();
+  if (mode == DecodeMode::assign) {
+    const typename O::storage zero = O::store(0.0f);
+    const int T = threads_for(n);
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t i = 0; i < n; ++i) o[i] = zero;
+    for (int64_t j = 0; j < k; ++j) o[idx[j]] = O::store(V::load(val[j]) * alpha);
+  } else {
+    for (int64_t j = 0; j < k; ++j) o[idx[j]] = O::store(O::load(o[idx[j]]) + V::load(val[j]) * alpha);
+  }
+  PacketHeader h;
+  std::memcpy(&h, packet, sizeof h);
+  if (h.flags & kFlagNonFinite) {
+    if (status) *status |= kStatusNonFinite;
+    if (n > 0) o[0] = O::store(std::numeric_limits<float>::quiet_NaN());
+  }
+}
+} // namespace
+
+void topk_decode(const TopKPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
+                 uint32_t* status) {
+  dispatch_float(p.value_dtype, [&](auto v) {
+    dispatch_float(out.dtype, [&](auto o) {
+      if (p.index_dtype == DType::uint64)
+        topk_decode_t<uint64_t, decltype(v), decltype(o)>(p, packet, out, mode, alpha, status);
+      else
+        topk_decode_t<uint32_t, decltype(v), decltype(o)>(p, packet, out, mode, alpha, status);
+    });
+  });
+}
+
+} // namespace gradcomp::detail::cpu

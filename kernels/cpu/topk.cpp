@@ -8,19 +8,29 @@
 //     (the elements whose higher digits equal the prefix of the k-th key);
 //   * the bucket holding the k-th key becomes the new prefix; elements above it are selected for
 //     sure, and per-thread counts of both are kept;
-//   * the pass after the first also filters the candidates (and the sure elements) into a buffer,
-//     in index order, as long as they are few (adaptive buffer, capacity ~n/16); later passes then
-//     read only the buffer; with too many candidates the next pass re-reads the input instead;
+//   * candidates (and the sure elements) are filtered into a buffer, in index order, as long as
+//     they are few (adaptive buffer, capacity ~n/16); later passes then read only the buffer; with
+//     too many candidates the next pass re-reads the input instead;
 //   * early stop as soon as the candidates exactly fill k;
 //   * ties at the k-th key go to the lowest indices: threads own contiguous index ranges, so a
 //     prefix sum over the per-thread tie counts decides which ties each thread keeps, and each
 //     thread writes its selection at its prefix-sum offset -- output indices ascend, and the result
 //     does not depend on the thread count.
-// Passes over the input: 2 when the candidates fit the buffer or stop early, 3-4 otherwise.
+// Sampled prefilter (an addition to AIR, in the spirit of the sampled thresholds of DGC, Lin et
+// al., ICLR'18): a lower bound for the k-th key taken from a strided sample lets the first pass
+// already buffer every element at or above it; when at least k elements pass, the buffer is closed
+// upward and holds the k-th key, so the radix select runs on the buffer alone and the input is read
+// once. Otherwise the full radix select runs (2-4 reads). The sample only changes the speed.
 #include <algorithm>
+#include <bit>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "../core/backend.hpp"
 #include "elem.hpp"
@@ -33,9 +43,12 @@ namespace gradcomp::detail::cpu {
 namespace {
 
 using common::abs_key;
+using common::bits_float;
 using common::float_bits;
 using common::is_finite_bits;
 constexpr int kB = common::kRadixBuckets;
+
+inline uint32_t key_of_bits(uint32_t y) { return abs_key(bits_float(y)); }
 
 inline int thread_id() {
 #if defined(_OPENMP)
@@ -55,6 +68,7 @@ inline int team_size() {
 // Where y comes from: x (converted to float32), plus the residual, divided by the divisor.
 template <class In, bool HasRes, bool Div1>
 struct Source {
+  static constexpr bool has_res = HasRes;
   const typename In::storage* x;
   float* r;
   float div;
@@ -72,26 +86,35 @@ struct Source {
     else return In::load(x[i]);
   }
   float again(int64_t i) const { return Div1 ? xprime(i) : xprime(i) / div; }
-  // r_new of a sent element whose decoded value is d.
-  void settle(int64_t i, float xp, float d) const {
-    if constexpr (HasRes) r[i] = Div1 ? xp - d : xp - div * d;
+  // y without touching the residual (for sampling before the first pass).
+  float peek(int64_t i) const {
+    float xp = In::load(x[i]);
+    if constexpr (HasRes) xp = xp + r[i];
+    return Div1 ? xp : xp / div;
+  }
+  // r_new of a sent element whose decoded value is d (x' is in r since the first touch).
+  void settle(int64_t i, float d) const {
+    if constexpr (HasRes) r[i] = Div1 ? r[i] - d : r[i] - div * d;
   }
 };
 
 // Workspace layout (after the 16-byte status word): per-thread histograms (u64), per-thread
-// counters, then the candidate buffer (keys u32, indices u64).
+// counters, then the candidate buffer (y as float32 bits, indices u64).
 struct Workspace {
-  uint64_t* hist;     // [T][kB]
-  int64_t* above;     // [T] selected for sure so far
-  int64_t* cls;       // [T] in the current class (prefix bucket)
-  int64_t* off;       // [T] buffer segment of each thread: [off, end)
-  int64_t* end;       // [T]
-  uint32_t* cand_key; // [cap]
-  uint64_t* cand_idx; // [cap]
+  uint64_t* hist;   // [T][kB]
+  int64_t* above;   // [T] selected for sure so far
+  int64_t* cls;     // [T] in the current class (prefix bucket)
+  int64_t* off;     // [T] buffer segment of each thread: [off, end)
+  int64_t* end;     // [T]
+  int64_t* count;   // [T] prefilter pass counts
+  int64_t* take;    // [T] ties each thread keeps
+  int64_t* dst;     // [T] output offset of each thread
+  uint32_t* cand_y; // [cap]
+  uint64_t* cand_i; // [cap]
   int64_t cap;
 
   static int64_t bytes(int T, int64_t cap) {
-    return kStatusBytes + int64_t(T) * kB * 8 + 4 * int64_t(T) * 8 + align16(cap * 4) + cap * 8;
+    return kStatusBytes + int64_t(T) * kB * 8 + 8 * int64_t(T) * 8 + align16(cap * 4) + cap * 8;
   }
   Workspace(uint8_t* base, int T, int64_t cap_) : cap(cap_) {
     uint8_t* p = base + kStatusBytes;
@@ -101,10 +124,13 @@ struct Workspace {
     cls = above + T;
     off = cls + T;
     end = off + T;
-    p += 4 * int64_t(T) * 8;
-    cand_key = reinterpret_cast<uint32_t*>(p);
+    count = end + T;
+    take = count + T;
+    dst = take + T;
+    p += 8 * int64_t(T) * 8;
+    cand_y = reinterpret_cast<uint32_t*>(p);
     p += align16(cap * 4);
-    cand_idx = reinterpret_cast<uint64_t*>(p);
+    cand_i = reinterpret_cast<uint64_t*>(p);
   }
 };
 
@@ -129,6 +155,62 @@ void histogram(int64_t b, int64_t e, KeyAt key_at, int shift, uint32_t mask, uin
     }
     for (int d = 0; d < kB; ++d) out[d] += uint64_t(h[0][d]) + h[1][d];
   }
+}
+
+// Append (y bits, i) for every i in [b, e) whose key(y) >= lo, starting at slot o0; at most
+// o1 - o0 entries are stored. `Touch` selects src.first (stores x' into the residual) or
+// src.again. Returns the number of entries that passed (more than o1 - o0 means overflow).
+template <bool Touch, class Src>
+int64_t filter(const Src& src, int64_t b, int64_t e, uint32_t lo, uint32_t* cy, uint64_t* ci, int64_t o0, int64_t o1) {
+  auto y_at = [&](int64_t i) { return Touch ? src.first(i) : src.again(i); };
+  int64_t o = o0, passed = 0;
+  int64_t i = b;
+#if defined(__AVX512F__)
+  // 16 elements at a time: y computed by an auto-vectorized loop, keys compared in one mask,
+  // hits written with compress stores (about 2% of the vectors hold a hit at k = 1%).
+  const __m512i vlo = _mm512_set1_epi32(int(lo));
+  const __m512i vabs = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512i iota0 = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i iota1 = _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8);
+  alignas(64) float yb[16];
+  for (; i + 16 <= e; i += 16) {
+    for (int j = 0; j < 16; ++j) yb[j] = y_at(i + j);
+    const __m512i yv = _mm512_load_si512(yb);
+    // |y| bits >= lo is key >= lo: lo never exceeds the NaN key, so mapping NaNs is not needed
+    const __mmask16 m = _mm512_cmpge_epu32_mask(_mm512_and_si512(yv, vabs), vlo);
+    if (m) {
+      const int c = std::popcount(unsigned(m));
+      if (o + 16 <= o1) {
+        _mm512_mask_compressstoreu_epi32(cy + o, m, yv);
+        const __m512i base = _mm512_set1_epi64(i);
+        const __mmask8 m0 = __mmask8(m & 0xFF), m1 = __mmask8(m >> 8);
+        _mm512_mask_compressstoreu_epi64(ci + o, m0, _mm512_add_epi64(base, iota0));
+        _mm512_mask_compressstoreu_epi64(ci + o + std::popcount(unsigned(m0)), m1, _mm512_add_epi64(base, iota1));
+        o += c;
+      } else {  // near the end of the region: one entry at a time
+        for (int j = 0; j < 16; ++j)
+          if (((m >> j) & 1) && o < o1) {
+            cy[o] = float_bits(yb[j]);
+            ci[o] = uint64_t(i + j);
+            ++o;
+          }
+      }
+      passed += c;
+    }
+  }
+#endif
+  for (; i < e; ++i) {
+    const float y = y_at(i);
+    if (abs_key(y) >= lo) {
+      if (o < o1) {
+        cy[o] = float_bits(y);
+        ci[o] = uint64_t(i);
+        ++o;
+      }
+      ++passed;
+    }
+  }
+  return passed;
 }
 
 struct Selection {
@@ -174,16 +256,39 @@ void choose(Selection& s, Workspace& w, int T, int next_level, bool first) {
   s.level = next_level;
 }
 
-template <class V, class I, class In, bool HasRes, bool Div1>
-void topk_run(const TopKPlan& p, const Source<In, HasRes, Div1>& src, uint8_t* packet, PacketHeader h, uint8_t* ws_base) {
+constexpr uint32_t kNoGuess = 0xFFFFFFFFu;
+
+// Lower bound for the k-th key from a strided sample of 16384 elements: the sample's key at rank
+// about 2k (scaled to the sample) plus a margin of 32, capped at the +inf key (so the buffer holds
+// every non-finite value). kNoGuess below 2^18 elements or when the sample predicts more
+// candidates than 80% of a thread's buffer region.
+// `scratch` holds 16384 keys (the candidate buffer, unused at that point).
+template <class Src>
+uint32_t guess_lo(const Src& src, int64_t n, int64_t k, int64_t region, uint32_t* scratch) {
+  constexpr int64_t S = 16384;
+  if (n < (int64_t(1) << 18)) return kNoGuess;
+  uint32_t* keys = scratch;
+  const int64_t stride = n / S;
+  for (int64_t j = 0; j < S; ++j) keys[j] = abs_key(src.peek(j * stride));
+  const int64_t ks = (k * S + n - 1) / n;
+  const int64_t rank = std::min<int64_t>(S, 2 * ks + 32);
+  std::nth_element(keys, keys + (rank - 1), keys + S, std::greater<uint32_t>());
+  const uint32_t g = std::min(keys[rank - 1], common::kInfKey);
+  int64_t at_least = 0;
+  for (int64_t j = 0; j < S; ++j) at_least += keys[j] >= g;
+  if (double(at_least) * double(n) / double(S) > 0.8 * double(region)) return kNoGuess;
+  return g;
+}
+
+template <class V, class I, class Src>
+void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, PacketHeader h, uint8_t* ws_base) {
   const int64_t n = p.numel, k = p.k;
   auto* out_idx = reinterpret_cast<I*>(packet + kHeaderBytes);
   auto* out_val = reinterpret_cast<typename V::storage*>(packet + p.values_offset);
   uint32_t flag = 0;
+  const int T = threads_for(n);
 
-  // Trivial selections: nothing, or everything.
-  if (k == 0 || k == n) {
-    const int T = threads_for(n);
+  if (k == 0 || k == n) {  // trivial selections: nothing, or everything
 #pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
     for (int64_t i = 0; i < n; ++i) {
       const float y = src.first(i);
@@ -193,32 +298,61 @@ void topk_run(const TopKPlan& p, const Source<In, HasRes, Div1>& src, uint8_t* p
         const float d = V::load(c);
         out_idx[i] = I(i);
         out_val[i] = c;
-        src.settle(i, src.xprime(i), d);
+        src.settle(i, d);
         flag |= !is_finite_bits(float_bits(d));
       }
     }
   } else {
-    const int T = threads_for(n);
     Workspace w(ws_base, T, p.candidate_capacity);
+    const int64_t region = w.cap / T;
     Selection s;
     s.k_rem = k;
-    bool buffered = false;
-    uint32_t nonfinite_sent = 0;
+    bool buffered = false;  // the buffer holds every element that can still be selected
+    bool touched = false;   // the first touch (x' into the residual) has happened
 
-    // Level 0: one full read; first touch stores x' into the residual.
+    // Sampled prefilter: one read that buffers every key >= guess.
+    const uint32_t guess = guess_lo(src, n, k, region, w.cand_y);
+    if (guess != kNoGuess) {
+      int64_t* count = w.count;
+#pragma omp parallel num_threads(T)
+      for (int t = thread_id(); t < T; t += team_size()) {
+        int64_t b, e;
+        partition(n, T, t, b, e);
+        count[t] = filter<true>(src, b, e, guess, w.cand_y, w.cand_i, int64_t(t) * region, int64_t(t + 1) * region);
+      }
+      touched = true;
+      int64_t total = 0;
+      bool fits = true;
+      for (int t = 0; t < T; ++t) {
+        total += count[t];
+        fits = fits && count[t] <= region;
+      }
+      if (fits && total >= k) {
+        buffered = true;
+        for (int t = 0; t < T; ++t) {
+          w.off[t] = int64_t(t) * region;
+          w.end[t] = w.off[t] + count[t];
+        }
+      }
+    }
+
+    // Level 0 histogram: over the buffer, or one full read of the input.
 #pragma omp parallel num_threads(T)
     for (int t = thread_id(); t < T; t += team_size()) {
-      int64_t b, e;
-      partition(n, T, t, b, e);
       uint64_t* hist = w.hist + int64_t(t) * kB;
       std::fill(hist, hist + kB, 0);
-      histogram<false>(b, e, [&](int64_t i) { return abs_key(src.first(i)); }, 20, kB - 1, 0, 0, hist);
+      if (buffered) {
+        const uint32_t* ys = w.cand_y;
+        histogram<false>(w.off[t], w.end[t], [&](int64_t j) { return key_of_bits(ys[j]); }, 20, kB - 1, 0, 0, hist);
+      } else {
+        int64_t b, e;
+        partition(n, T, t, b, e);
+        if (touched) histogram<false>(b, e, [&](int64_t i) { return abs_key(src.again(i)); }, 20, kB - 1, 0, 0, hist);
+        else histogram<false>(b, e, [&](int64_t i) { return abs_key(src.first(i)); }, 20, kB - 1, 0, 0, hist);
+      }
     }
-    {
-      uint64_t nf = 0;
-      for (int t = 0; t < T; ++t) nf += w.hist[int64_t(t) * kB + common::kNonFiniteDigit0];
-      flag |= nf != 0;
-    }
+    // Every non-finite key has digit 0x7F8 (and the guess never exceeds the +inf key).
+    for (int t = 0; t < T; ++t) flag |= w.hist[int64_t(t) * kB + common::kNonFiniteDigit0] != 0;
     choose(s, w, T, 0, true);
 
     // Refine until the class exactly fills k_rem (early stop) or the key is fully resolved.
@@ -230,7 +364,7 @@ void topk_run(const TopKPlan& p, const Source<In, HasRes, Div1>& src, uint8_t* p
       int64_t above_total = 0;
       for (int t = 0; t < T; ++t) above_total += w.above[t];
       const bool fill = !buffered && above_total + s.cls <= w.cap;
-      if (fill) {
+      if (fill) {  // segments sized exactly from the per-thread counts
         int64_t o = 0;
         for (int t = 0; t < T; ++t) {
           w.off[t] = o;
@@ -242,24 +376,16 @@ void topk_run(const TopKPlan& p, const Source<In, HasRes, Div1>& src, uint8_t* p
       for (int t = thread_id(); t < T; t += team_size()) {
         uint64_t* hist = w.hist + int64_t(t) * kB;
         std::fill(hist, hist + kB, 0);
-        int64_t b, e;
-        if (buffered) {  // read the buffer segment of this thread
-          // entries that fell below lo stay in the segment and are skipped by the filter
-          const uint32_t* keys = w.cand_key;
-          histogram<true>(w.off[t], w.end[t], [&](int64_t i) { return keys[i]; }, shift, mask, lo, hi, hist);
-        } else if (fill) {  // filter into the buffer, fused with the next histogram
+        if (!buffered && fill) {  // filter the input into the buffer
+          int64_t b, e;
           partition(n, T, t, b, e);
-          int64_t o = w.off[t];
-          for (int64_t i = b; i < e; ++i) {
-            const uint32_t key = abs_key(src.again(i));
-            if (key >= lo) {
-              w.cand_key[o] = key;
-              w.cand_idx[o] = uint64_t(i);
-              ++o;
-              if (key <= hi) ++hist[(key >> shift) & mask];
-            }
-          }
+          filter<false>(src, b, e, lo, w.cand_y, w.cand_i, w.off[t], w.end[t]);
+        }
+        if (buffered || fill) {  // entries below lo stay in the segment and are skipped
+          const uint32_t* ys = w.cand_y;
+          histogram<true>(w.off[t], w.end[t], [&](int64_t j) { return key_of_bits(ys[j]); }, shift, mask, lo, hi, hist);
         } else {  // too many candidates to buffer: re-read the input
+          int64_t b, e;
           partition(n, T, t, b, e);
           histogram<true>(b, e, [&](int64_t i) { return abs_key(src.again(i)); }, shift, mask, lo, hi, hist);
         }
@@ -270,7 +396,8 @@ void topk_run(const TopKPlan& p, const Source<In, HasRes, Div1>& src, uint8_t* p
 
     // Final: select key > hi, and the first k_rem elements (in index order) of the class.
     const uint32_t lo = s.lo(), hi = s.hi();
-    std::vector<int64_t> take(T), dst(T);
+    int64_t* take = w.take;
+    int64_t* dst = w.dst;
     {
       int64_t before = 0, o = 0;
       for (int t = 0; t < T; ++t) {
@@ -280,32 +407,29 @@ void topk_run(const TopKPlan& p, const Source<In, HasRes, Div1>& src, uint8_t* p
         o += w.above[t] + take[t];
       }
     }
+    uint32_t nonfinite_sent = 0;
 #pragma omp parallel num_threads(T) reduction(| : nonfinite_sent)
     for (int t = thread_id(); t < T; t += team_size()) {
       int64_t o = dst[t], taken = 0;
-      auto emit = [&](int64_t i, uint32_t key) {
+      auto emit = [&](int64_t i, float y) {
+        const uint32_t key = abs_key(y);
+        if (key < lo) return;
         if (key > hi || taken++ < take[t]) {
-          const float xp = src.xprime(i);
-          const float y = Div1 ? xp : xp / src.div;
           const auto c = V::store(y);
           const float d = V::load(c);
           out_idx[o] = I(i);
           out_val[o] = c;
           ++o;
-          src.settle(i, xp, d);
+          src.settle(i, d);
           nonfinite_sent |= !is_finite_bits(float_bits(d));
         }
       };
       if (buffered) {
-        for (int64_t j = w.off[t]; j < w.end[t]; ++j)
-          if (w.cand_key[j] >= lo) emit(int64_t(w.cand_idx[j]), w.cand_key[j]);
+        for (int64_t j = w.off[t]; j < w.end[t]; ++j) emit(int64_t(w.cand_i[j]), bits_float(w.cand_y[j]));
       } else {
         int64_t b, e;
         partition(n, T, t, b, e);
-        for (int64_t i = b; i < e; ++i) {
-          const uint32_t key = abs_key(src.again(i));
-          if (key >= lo) emit(i, key);
-        }
+        for (int64_t i = b; i < e; ++i) emit(i, src.again(i));
       }
     }
     flag |= nonfinite_sent;
@@ -355,15 +479,14 @@ void topk_decode_t(const TopKPlan& p, const uint8_t* packet, const Tensor& out, 
   const int64_t n = p.numel, k = p.k;
   const auto* idx = reinterpret_cast<const I*>(packet + kHeaderBytes);
   const auto* val = reinterpret_cast<const typename V::storage*>(packet + p.values_offset);
-  // Validate every index before writing anything.
+  // Validate every index before writing anything. The CPU reports a corrupt packet by raising (as
+  // for a bad header), not through the status word, which stays for CUDA's skipped entries.
   for (int64_t j = 0; j < k; ++j) {
     const uint64_t i = idx[j];
     if (i >= uint64_t(n)) {
-      if (status) *status |= kStatusCorrupt;
       throw CorruptPacket(detail::concat("decode: top-k packet entry ", j, " has index ", i, " >= numel ", n));
     }
     if (j > 0 && i <= uint64_t(idx[j - 1])) {
-      if (status) *status |= kStatusCorrupt;
       throw CorruptPacket(detail::concat("decode: top-k packet indices must ascend strictly; entry ", j, " has index ",
                                          i, " after ", uint64_t(idx[j - 1]),
                                          i == uint64_t(idx[j - 1]) ? " (repeated)" : " (out of order)"));

@@ -73,10 +73,20 @@ inline Tensor from_dlpack(py::handle obj, DLOwner& owner, const char* what, intp
     if (dev_type == kDLCUDA) cap = obj.attr("__dlpack__")(py::arg("stream") = stream == 0 ? 1 : stream);
     else cap = obj.attr("__dlpack__")();
   } catch (py::error_already_set& e) {
-    if (e.matches(PyExc_BufferError))
-      throw InvalidArgument(detail::concat(what, ": cannot take the array through DLPack: ", e.what(),
-                                           " (a read-only numpy array cannot be exported through legacy DLPack; pass a "
-                                           "writable array, e.g. a.copy())"));
+    if (e.matches(PyExc_BufferError)) {
+      // Only a read-only array gets the read-only hint (an ml_dtypes.bfloat16 residual, say, fails
+      // here too, for its dtype).
+      bool read_only = false;
+      try {
+        read_only = py::hasattr(obj, "flags") && !obj.attr("flags").attr("writeable").cast<bool>();
+      } catch (py::error_already_set&) {
+      }
+      throw InvalidArgument(detail::concat(
+          what, ": cannot take the array through DLPack: ", e.what(),
+          read_only ? " (a read-only numpy array cannot be exported through legacy DLPack; pass a writable array, "
+                      "e.g. a.copy())"
+                    : ""));
+    }
     throw;
   }
   PyObject* c = cap.ptr();

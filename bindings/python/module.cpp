@@ -54,11 +54,14 @@ struct PyCodec {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gradcomp native core (pybind11). Use the gradcomp package, not this module directly.";
 
-  py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
-  py::register_exception<InvalidArgument>(m, "InvalidArgumentError", PyExc_ValueError);
-  py::register_exception<CorruptPacket>(m, "CorruptPacketError", PyExc_ValueError);
-  py::register_exception<Unsupported>(m, "UnsupportedError", PyExc_RuntimeError);
-  py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+  // gradcomp.Error is the common base (`except gradcomp.Error` catches every gradcomp error); each
+  // subclass also derives from its builtin: InvalidArgumentError/CorruptPacketError are ValueErrors,
+  // UnsupportedError/CudaError RuntimeErrors (so `except RuntimeError` never swallows bad arguments).
+  auto& base = py::register_exception<Error>(m, "Error", PyExc_Exception);
+  py::register_exception<InvalidArgument>(m, "InvalidArgumentError", py::make_tuple(base, py::handle(PyExc_ValueError)));
+  py::register_exception<CorruptPacket>(m, "CorruptPacketError", py::make_tuple(base, py::handle(PyExc_ValueError)));
+  py::register_exception<Unsupported>(m, "UnsupportedError", py::make_tuple(base, py::handle(PyExc_RuntimeError)));
+  py::register_exception<CudaError>(m, "CudaError", py::make_tuple(base, py::handle(PyExc_RuntimeError)));
 
   m.def("set_num_threads", &set_num_threads, py::arg("n"),
         "Threads used by the CPU backend (OpenMP). Raises InvalidArgumentError for n < 1.");

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up and run every test: the GoogleTest suite (CUDA tests are built whenever nvcc is found
+# and skip without a GPU), the PTX check of the CUDA kernels, and the pytest suite.
+# Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tests/setup.sh
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+status=0
+echo "== GoogleTest (ctest)"
+ctest --test-dir build/py --output-on-failure -j2 || status=1
+if command -v nvcc >/dev/null 2>&1 && [ -f tests/gpu/check_ptx.sh ]; then
+  echo "== PTX check of the CUDA kernels"
+  bash tests/gpu/check_ptx.sh || status=1
+fi
+echo "== pytest"
+.venv/bin/python -m pytest tests/python -q -p no:cacheprovider || status=1
+exit $status

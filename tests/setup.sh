@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up everything gradcomp needs, idempotently, as root and non-interactively:
+#   Debian packages (compilers, CMake, DLPack, Random123, OpenBLAS, GoogleTest, Google Benchmark),
+#   a project virtualenv .venv with pinned Python packages (tests/requirements.txt), and the
+#   gradcomp package built by scikit-build-core into .venv (build tree: build/py, which also holds
+#   the C++ tests and benchmarks; CUDA is built whenever nvcc is found, GRADCOMP_CUDA=AUTO).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+debs=(cmake ninja-build g++ make libdlpack-dev librandom123-dev libopenblas-dev googletest libgtest-dev
+      libbenchmark-dev libomp-dev)
+missing=()
+for p in "${debs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv 2>/dev/null || {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; "$PY" -m venv .venv; }
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+
+# The nvcc of the CUDA toolkit, when installed, is found through PATH.
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+echo "setup: building gradcomp (GRADCOMP_CUDA=${GRADCOMP_CUDA:-AUTO}) into build/py"
+GRADCOMP_TESTS=ON GRADCOMP_BENCH=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+  -Cbuild-dir=build/py .
+echo "setup: done ($(.venv/bin/python -c 'import gradcomp, json; print(json.dumps(gradcomp.build_info()))'))"

@@ -325,13 +325,14 @@ class TopKCodec final : public Codec {
                    "': topk needs exactly one of ratio= (in (0, 1]) or k= (an integer >= 0)");
     if (has_ratio) {
       const std::string& v = s.options.find("ratio")->second;
-      ratio_ = detail::parse_double(s, "ratio", v);
+      ratio_ = detail::parse_double(s, "ratio", v, "0 < ratio <= 1");
       GRADCOMP_CHECK(ratio_ > 0.0 && ratio_ <= 1.0, InvalidArgument, "codec spec '", s.text, "': ratio=", v,
                      " is out of range; accepted: 0 < ratio <= 1");
     } else {
       const std::string& v = s.options.find("k")->second;
-      k_ = detail::parse_int(s, "k", v);
-      GRADCOMP_CHECK(k_ >= 0, InvalidArgument, "codec spec '", s.text, "': k=", v, " must be >= 0");
+      k_ = detail::parse_int(s, "k", v, "an integer >= 0");
+      GRADCOMP_CHECK(k_ >= 0, InvalidArgument, "codec spec '", s.text, "': k=", v,
+                     " is out of range; accepted: an integer >= 0");
     }
     if (auto it = s.options.find("index"); it != s.options.end()) {
       if (it->second == "auto") index_ = IndexMode::automatic;

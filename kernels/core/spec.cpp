@@ -17,13 +17,13 @@ ParsedSpec parse_spec(std::string_view spec) {
                  "': empty codec name; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
   if (colon == std::string_view::npos) return out;
   std::string_view rest = spec.substr(colon + 1);
-  GRADCOMP_CHECK(!rest.empty(), InvalidArgument, "codec spec '", spec, "': nothing after ':'");
+  GRADCOMP_CHECK(!rest.empty(), InvalidArgument, "codec spec '", spec, "': nothing after ':'; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
   while (true) {
     const size_t comma = rest.find(',');
     const std::string_view item = rest.substr(0, comma);
     const size_t eq = item.find('=');
     GRADCOMP_CHECK(eq != std::string_view::npos && eq > 0 && eq + 1 < item.size(), InvalidArgument, "codec spec '",
-                   spec, "': option '", item, "' is not key=value");
+                   spec, "': option '", item, "' is not key=value; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
     std::string key(item.substr(0, eq));
     GRADCOMP_CHECK(!out.options.count(key), InvalidArgument, "codec spec '", spec, "': key '", key,
                    "' given twice");
@@ -46,19 +46,21 @@ void check_keys(const ParsedSpec& s, std::initializer_list<std::string_view> all
   }
 }
 
-double parse_double(const ParsedSpec& s, std::string_view key, std::string_view value) {
+double parse_double(const ParsedSpec& s, std::string_view key, std::string_view value, std::string_view accepted) {
   double v = 0;
   auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
   GRADCOMP_CHECK(ec == std::errc() && ptr == value.data() + value.size() && std::isfinite(v), InvalidArgument,
-                 "codec spec '", s.text, "': ", key, "='", value, "' is not a finite number");
+                 "codec spec '", s.text, "': ", key, "='", value, "' is not a finite number",
+                 accepted.empty() ? "" : "; accepted: ", accepted);
   return v;
 }
 
-int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view value) {
+int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view value, std::string_view accepted) {
   int64_t v = 0;
   auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
   GRADCOMP_CHECK(ec == std::errc() && ptr == value.data() + value.size(), InvalidArgument, "codec spec '", s.text,
-                 "': ", key, "='", value, "' is not an integer");
+                 "': ", key, "='", value, "' is not an integer",
+                 accepted.empty() ? "" : "; accepted: ", accepted);
   return v;
 }
 

@@ -23,9 +23,11 @@ ParsedSpec parse_spec(std::string_view spec);
 //! Throw InvalidArgument for a key of `s` not in `allowed`, listing the accepted keys.
 void check_keys(const ParsedSpec& s, std::initializer_list<std::string_view> allowed);
 
-//! Parse a binary64 / int64 option value; InvalidArgument naming key and value on failure.
-double parse_double(const ParsedSpec& s, std::string_view key, std::string_view value);
-int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view value);
+//! Parse a binary64 / int64 option value; InvalidArgument naming key and value on failure, and
+//! listing `accepted` (e.g. "0 < ratio <= 1") when given.
+double parse_double(const ParsedSpec& s, std::string_view key, std::string_view value,
+                    std::string_view accepted = {});
+int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view value, std::string_view accepted = {});
 
 //! Shortest decimal string that parses back to exactly `v` (std::to_chars).
 std::string format_double(double v);

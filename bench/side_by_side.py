@@ -1,0 +1,72 @@
+"""Side-by-side CPU benchmark: gradcomp codecs against the torch call a user would otherwise make.
+
+Rows (float32 input of --numel elements, default 2^24, normal(0, 1), fixed seed):
+  topk     gradcomp ``topk:ratio=R`` encode   vs  ``torch.topk(x.abs(), k, sorted=False)``
+  fp16     gradcomp ``fp16`` encode           vs  ``x.to(torch.float16)``
+  bf16     gradcomp ``bf16`` encode           vs  ``x.to(torch.bfloat16)``
+and the floor: ``torch`` copy of the same buffer (bytes read + written over time), measured in
+the same run. GB/s counts the compulsory traffic (x read + packet written). Median of --reps runs
+after one warm-up. Usage: python bench/side_by_side.py [--threads 1 2] [--numel N] [--ratio R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+import gradcomp
+
+
+def timeit(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=1 << 24)
+    ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    n = args.numel
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, generator=g)
+    y = torch.empty_like(x)
+    k = min(n, max(1, math.ceil(args.ratio * n)))
+    print(f"gradcomp {gradcomp.build_info()['version']}, torch {torch.__version__}, n = {n}, k = {k}")
+    print(f"{'threads':>7} {'kernel':<18} {'ms':>9} {'GB/s':>7} {'of copy':>8} {'baseline':<34} {'ms':>9} {'speedup':>8}")
+    for th in args.threads:
+        torch.set_num_threads(th)
+        gradcomp.set_num_threads(th)
+        t_copy = timeit(lambda: y.copy_(x), args.reps)
+        copy_gbps = 2 * 4 * n / t_copy / 1e9
+        print(f"{th:>7} {'copy (floor)':<18} {t_copy * 1e3:9.2f} {copy_gbps:7.2f} {1.0:8.2f}")
+        rows = [
+            ("topk", f"topk:ratio={args.ratio}", lambda: torch.topk(x.abs(), k, sorted=False),
+             "torch.topk(x.abs(), k, sorted=False)"),
+            ("fp16", "fp16", lambda: x.to(torch.float16), "x.to(torch.float16)"),
+            ("bf16", "bf16", lambda: x.to(torch.bfloat16), "x.to(torch.bfloat16)"),
+        ]
+        for name, spec, base, base_name in rows:
+            c = gradcomp.Codec(spec)
+            out = torch.empty(c.packet_bytes(n, "float32"), dtype=torch.uint8)
+            t = timeit(lambda: c.encode(x, out=out), args.reps)
+            t_base = timeit(base, max(1, args.reps // 2) if name == "topk" else args.reps)
+            gbps = (4 * n + out.numel()) / t / 1e9
+            print(f"{th:>7} {name:<18} {t * 1e3:9.2f} {gbps:7.2f} {gbps / copy_gbps:8.2f} "
+                  f"{base_name:<34} {t_base * 1e3:9.2f} {t_base / t:8.1f}x")
+
+
+if __name__ == "__main__":
+    main()

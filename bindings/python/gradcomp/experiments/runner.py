@@ -1,0 +1,138 @@
+"""Worker side of the accuracy-versus-ratio experiment: data, model, one DDP training run.
+
+Data: scikit-learn's digits (``sklearn.datasets.load_digits``: 1797 8x8 images, 64 features with
+values 0..16, 10 classes; ships inside scikit-learn, no download). A fixed stratified split holds
+out ``TEST_SIZE`` = 400 samples (one sample = 0.25 percentage points); features are standardized
+with the training mean and std. Each epoch the training set is permuted with the run's seed (the
+same permutation on every rank) and dealt round-robin to the W ranks (DistributedSampler style,
+the tail dropped so every rank takes the same number of steps).
+
+Model: an MLP 64 -> hidden -> hidden -> 10 with ReLU, float32, trained with SGD + momentum on the
+cross-entropy, wrapped in DDP with a small ``bucket_cap_mb`` and the gradcomp hook with
+``min_compress_numel=0`` and ``start_iter=0`` (every bucket is compressed from the first step,
+so DDP's bucket rebuild after step 1 remaps the residuals).
+"""
+
+import math
+import time
+from typing import Any, Dict
+
+TEST_SIZE = 400
+SPLIT_SEED = 0
+
+_data_cache: Dict[str, Any] = {}
+
+
+def load_data():
+    """Returns float32 tensors ``(x_train [1397, 64], y_train [1397] int64, x_test [400, 64],
+    y_test [400] int64)``: the fixed split, standardized with training statistics."""
+    if "d" in _data_cache:
+        return _data_cache["d"]
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = d.data.astype(np.float32)
+    y = d.target.astype(np.int64)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=TEST_SIZE, random_state=SPLIT_SEED, stratify=y)
+    mu = xtr.mean(0)
+    sd = xtr.std(0) + 1.0  # the +1 keeps constant (all-zero) pixels finite and damps rare ones
+    out = tuple(torch.from_numpy(a) for a in ((xtr - mu) / sd, ytr, (xte - mu) / sd, yte))
+    _data_cache["d"] = out
+    return out
+
+
+def make_model(hidden: int):
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, 10))
+
+
+def train_run(rank: int, world: int, cfg: dict) -> dict:
+    """One training run on this rank (a pool job). ``cfg`` keys: codec, error_feedback, seed,
+    epochs, lr, momentum, batch_size (per rank), hidden, bucket_cap_mb, weight_decay.
+
+    Returns (every rank) a dict: test_accuracy (percent, full test set), train_loss (per-epoch
+    mean over all ranks' batches), the hook's byte/time totals, compute and wall seconds, and a
+    checksum of the final parameters (for the parent's check that all ranks agree bitwise)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import gradcomp.torch as gt
+
+    from ..torch.pool import report
+
+    t_start = time.perf_counter()
+    xtr, ytr, xte, yte = load_data()
+    torch.manual_seed(cfg["seed"])
+    model = make_model(cfg["hidden"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+    state = gt.register(ddp, codec=cfg["codec"], error_feedback=cfg["error_feedback"],
+                        scheme="auto", start_iter=0, min_compress_numel=0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                          weight_decay=cfg.get("weight_decay", 0.0))
+    bs = cfg["batch_size"]
+    n = xtr.shape[0]
+    per_rank = n // world
+    steps = per_rank // bs
+    total_steps = steps * cfg["epochs"]
+    gen = torch.Generator().manual_seed(1000 + cfg["seed"])
+    losses = []
+    compute_s = 0.0
+    step = 0
+    for epoch in range(cfg["epochs"]):
+        perm = torch.randperm(n, generator=gen)
+        mine = perm[rank: per_rank * world: world]
+        loss_sum = torch.zeros(2)
+        for s in range(steps):
+            # cosine learning-rate decay over the run
+            for g in opt.param_groups:
+                g["lr"] = cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+            idx = mine[s * bs: (s + 1) * bs]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(ddp(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            compute_s += time.perf_counter() - t0
+            loss_sum[0] += loss.detach()
+            loss_sum[1] += 1
+            step += 1
+        dist.all_reduce(loss_sum)
+        losses.append(float(loss_sum[0] / loss_sum[1]))
+        if rank == 0:
+            report({"epoch": epoch + 1, "loss": losses[-1]})
+    with torch.no_grad():
+        model.eval()
+        pred = model(xte).argmax(1)
+        acc = 100.0 * float((pred == yte).float().mean())
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        checksum = int(flat.view(torch.int32).to(torch.int64).sum())
+    st = state.stats()
+    tot = st["total"]
+    return {
+        "test_accuracy": acc,
+        "train_loss": losses,
+        "final_loss": losses[-1] if losses else float("nan"),
+        "steps": st["steps"],
+        "packet_ratio": tot["packet_ratio"],
+        "wire_ratio": tot["wire_ratio"],
+        "bits_per_element": tot["bits_per_element"],
+        "packet_bytes_per_step": tot["packet_bytes"] / max(st["steps"], 1),
+        "dense_bytes_per_step": tot["dense_bytes"] / max(st["steps"], 1),
+        "sent_bytes_per_step": tot["sent_bytes"] / max(st["steps"], 1),
+        "numel": int(tot["numel"] / max(st["steps"], 1)),
+        "buckets": len(st["buckets"]),
+        "nonfinite_steps": st["nonfinite_steps"],
+        "encode_s": tot["encode_s"],
+        "decode_s": tot["decode_s"],
+        "comm_s": tot["comm_s"],
+        # the training loop: forward + backward (hook and waits included) + optimizer step
+        "train_s": compute_s,
+        "wall_s": time.perf_counter() - t_start,
+        "param_checksum": checksum,
+    }

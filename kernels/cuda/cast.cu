@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: Apache-2.0
+// CUDA backend of the cast codecs none / fp16 / bf16 (DESIGN.md section 3). Packets are byte-for-
+// byte those of kernels/cpu/cast.cpp: the same fixed expressions through common::add_rn / sub_rn /
+// mul_rn / div_rn (never contracted into FMA) and the same conversions (common::float_to_*_bits).
+//
+// Encode: one grid-stride kernel, 8 consecutive elements per thread through 16-byte vectors;
+// the non-finite bit is OR-reduced per block (__syncthreads_or) and across blocks (atomicOr into
+// the workspace); the last block (atomic counter) writes the sentinel, the padding and the header.
+// Decode: every block checks the header on the device; a mismatch sets kStatusCorrupt and writes
+// nothing; the wire dtype of codec none comes from the header.
+#include "common.cuh"
+
+namespace gradcomp::detail::cuda {
+namespace {
+
+using plan::kChunk;
+using plan::kItems;
+using plan::kThreads;
+using common::add_rn;
+using common::div_rn;
+using common::mul_rn;
+using common::sub_rn;
+
+template <class In, class W, bool HasRes, bool Div1>
+__global__ void __launch_bounds__(kThreads) cast_encode_kernel(const typename In::storage* __restrict__ x,
+                                                               float* __restrict__ r,
+                                                               typename W::storage* __restrict__ out, int64_t n,
+                                                               float div, bool vec, uint8_t* __restrict__ packet,
+                                                               PacketHeader hdr, uint32_t* flag_word,
+                                                               uint32_t* counter) {
+  using WS = typename W::storage;
+  uint32_t nf = 0;
+  const int64_t stride = int64_t(gridDim.x) * kChunk;
+  for (int64_t base = int64_t(blockIdx.x) * kChunk + int64_t(threadIdx.x) * kItems; base < n; base += stride) {
+    if (vec && base + kItems <= n) {
+      float v[kItems];
+      load8<In>(x + base, v);
+      float rv[kItems];
+      if constexpr (HasRes) load8<DF32>(r + base, rv);
+      WS c[kItems];
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const float xp = HasRes ? add_rn(v[j], rv[j]) : v[j];
+        const float y = Div1 ? xp : div_rn(xp, div);
+        c[j] = W::store(y);
+        const float d = W::load(c[j]);
+        if constexpr (HasRes) rv[j] = Div1 ? sub_rn(xp, d) : sub_rn(xp, mul_rn(div, d));
+        nf |= nonfinite_bit(y) | nonfinite_bit(d);
+      }
+      store8<W>(out + base, c);
+      if constexpr (HasRes) store8f(r + base, rv);
+    } else {
+#pragma unroll 1
+      for (int j = 0; j < kItems && base + j < n; ++j) {
+        const int64_t i = base + j;
+        float xp = In::load(x[i]);
+        if constexpr (HasRes) xp = add_rn(xp, r[i]);
+        const float y = Div1 ? xp : div_rn(xp, div);
+        const WS c = W::store(y);
+        const float d = W::load(c);
+        out[i] = c;
+        if constexpr (HasRes) r[i] = Div1 ? sub_rn(xp, d) : sub_rn(xp, mul_rn(div, d));
+        nf |= nonfinite_bit(y) | nonfinite_bit(d);
+      }
+    }
+  }
+  if (__syncthreads_or(nf) && threadIdx.x == 0) atomicOr(flag_word, 1u);
+  __shared__ bool s_last;
+  if (!elect_last_block(counter, &s_last)) return;
+  if (threadIdx.x == 0) {
+    const uint32_t flag = atomicOr(flag_word, 0u);
+    // The non-finite sentinel: an extra wire element that survives a sum allreduce.
+    out[n] = W::store(flag ? quiet_nan() : 0.0f);
+    hdr.flags = flag ? kFlagNonFinite : 0;
+    store_header(packet, hdr);
+  }
+  // Zero the padding after the sentinel so packets are byte-deterministic.
+  const int64_t used = kHeaderBytes + (n + 1) * int64_t(sizeof(WS));
+  const int64_t end = kHeaderBytes + align16((n + 1) * int64_t(sizeof(WS)));
+  if (used + threadIdx.x < end) packet[used + threadIdx.x] = 0;
+}
+
+template <class W, class O, bool Acc>
+__device__ __forceinline__ void cast_decode_body(const typename W::storage* __restrict__ in,
+                                                 typename O::storage* __restrict__ out, int64_t n, float alpha,
+                                                 bool vec, bool nonfinite) {
+  using OS = typename O::storage;
+  const int64_t stride = int64_t(gridDim.x) * kChunk;
+  for (int64_t base = int64_t(blockIdx.x) * kChunk + int64_t(threadIdx.x) * kItems; base < n; base += stride) {
+    if (vec && base + kItems <= n) {
+      float v[kItems];
+      load8<W>(in + base, v);
+      float o[kItems];
+      if constexpr (Acc) load8<O>(out + base, o);
+      OS c[kItems];
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        const float t = mul_rn(v[j], alpha);
+        c[j] = O::store(Acc ? add_rn(o[j], t) : t);
+      }
+      if (nonfinite && base == 0) c[0] = O::store(quiet_nan());
+      store8<O>(out + base, c);
+    } else {
+#pragma unroll 1
+      for (int j = 0; j < kItems && base + j < n; ++j) {
+        const int64_t i = base + j;
+        const float t = mul_rn(W::load(in[i]), alpha);
+        OS c = O::store(Acc ? add_rn(O::load(out[i]), t) : t);
+        if (nonfinite && i == 0) c = O::store(quiet_nan());
+        out[i] = c;
+      }
+    }
+  }
+}
+
+template <class O, bool Acc>
+__global__ void __launch_bounds__(kThreads) cast_decode_kernel(const uint8_t* __restrict__ packet,
+                                                               typename O::storage* __restrict__ out, int64_t n,
+                                                               float alpha, bool vec, DeviceExpect e,
+                                                               uint32_t* status) {
+  __shared__ int s_wire;
+  __shared__ bool s_nonfinite;
+  if (threadIdx.x == 0) {
+    const PacketHeader h = load_header(packet);
+    const int wire = check_header(h, e);
+    bool nonfinite = false;
+    if (wire >= 0) {
+      const float sentinel = load_dyn(packet + kHeaderBytes, wire, n);
+      nonfinite = (h.flags & kFlagNonFinite) != 0 || nonfinite_bit(sentinel);
+      if (blockIdx.x == 0 && nonfinite) atomicOr(status, kStatusNonFinite);
+    } else if (blockIdx.x == 0) {
+      atomicOr(status, kStatusCorrupt);
+    }
+    s_wire = wire;
+    s_nonfinite = nonfinite;
+  }
+  __syncthreads();
+  const int wire = s_wire;
+  const bool nonfinite = s_nonfinite;
+  const uint8_t* payload = packet + kHeaderBytes;
+  switch (wire) {
+    case 0: cast_decode_body<DF32, O, Acc>(reinterpret_cast<const float*>(payload), out, n, alpha, vec, nonfinite); break;
+    case 1: cast_decode_body<DF16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
+    case 2: cast_decode_body<DBF16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
+    default: break; // corrupt: write nothing
+  }
+}
+
+template <class F> decltype(auto) dispatch(DType t, F&& f) {
+  switch (t) {
+    case DType::float16: return f(DF16{});
+    case DType::bfloat16: return f(DBF16{});
+    default: return f(DF32{});
+  }
+}
+
+} // namespace
+
+void cast_encode(const CastPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
+                 float divisor, uint8_t* workspace, Stream stream) {
+  DeviceGuard guard(x.device.index);
+  const cudaStream_t s = to_cuda(stream);
+  GRADCOMP_CUDA_CHECK(cudaMemsetAsync(workspace + plan::kCastFlagOffset, 0, 8, s));
+  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(x.device.index));
+  uint8_t* payload = packet + kHeaderBytes;
+  const bool vec = aligned16(x.data) && (residual == nullptr || aligned16(residual));
+  auto* flag = reinterpret_cast<uint32_t*>(workspace + plan::kCastFlagOffset);
+  auto* counter = reinterpret_cast<uint32_t*>(workspace + plan::kCastCounterOffset);
+  dispatch(p.input, [&](auto in) {
+    using In = decltype(in);
+    dispatch(p.wire, [&](auto w) {
+      using W = decltype(w);
+      const auto* xs = static_cast<const typename In::storage*>(x.data);
+      auto* out = reinterpret_cast<typename W::storage*>(payload);
+      auto go = [&](auto kernel) {
+        kernel<<<unsigned(blocks), kThreads, 0, s>>>(xs, residual, out, p.numel, divisor, vec, packet, hdr, flag,
+                                                     counter);
+        GRADCOMP_CUDA_CHECK_LAUNCH("cast_encode_kernel");
+      };
+      const bool div1 = divisor == 1.0f;
+      if (residual) {
+        if (div1) go(cast_encode_kernel<In, W, true, true>);
+        else go(cast_encode_kernel<In, W, true, false>);
+      } else {
+        if (div1) go(cast_encode_kernel<In, W, false, true>);
+        else go(cast_encode_kernel<In, W, false, false>);
+      }
+    });
+  });
+}
+
+void cast_decode(const CastPlan& p, const uint8_t* packet, const Tensor& out, const HeaderExpect& expect,
+                 DecodeMode mode, float alpha, uint8_t* workspace, Stream stream) {
+  DeviceGuard guard(out.device.index);
+  const cudaStream_t s = to_cuda(stream);
+  DeviceExpect e{};
+  e.h = expect.header;
+  e.h.wire_dtype = static_cast<uint8_t>(p.wire); // DType::none (codec none): from the header
+  e.capacity = expect.packet_capacity;
+  e.fixed_bytes = kHeaderBytes;
+  e.wire_count = p.numel + 1;
+  e.check_index = 0;
+  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(out.device.index));
+  const bool vec = aligned16(out.data);
+  auto* status = reinterpret_cast<uint32_t*>(workspace);
+  dispatch(out.dtype, [&](auto o) {
+    using O = decltype(o);
+    auto* op = static_cast<typename O::storage*>(out.data);
+    if (mode == DecodeMode::accumulate)
+      cast_decode_kernel<O, true><<<unsigned(blocks), kThreads, 0, s>>>(packet, op, p.numel, alpha, vec, e, status);
+    else
+      cast_decode_kernel<O, false><<<unsigned(blocks), kThreads, 0, s>>>(packet, op, p.numel, alpha, vec, e, status);
+    GRADCOMP_CUDA_CHECK_LAUNCH("cast_decode_kernel");
+  });
+}
+
+} // namespace gradcomp::detail::cuda

@@ -1,0 +1,182 @@
+// SPDX-License-Identifier: Apache-2.0
+// Launch helpers shared by the CUDA kernels: error checking, device guard, element tags, 16-byte
+// vector loads/stores of 8 elements, and the on-device packet header check.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "../common/math.hpp"
+#include "../core/backend.hpp"
+#include "gradcomp/error.hpp"
+#include "plan.hpp"
+
+namespace gradcomp::detail::cuda {
+
+//! Throws CudaError naming the call, the CUDA error name and cudaGetErrorString.
+[[noreturn]] void throw_cuda_error(cudaError_t e, const char* call, const char* file, int line);
+
+#define GRADCOMP_CUDA_CHECK(expr)                                                                  \
+  do {                                                                                             \
+    const cudaError_t gradcomp_err_ = (expr);                                                      \
+    if (gradcomp_err_ != cudaSuccess)                                                              \
+      ::gradcomp::detail::cuda::throw_cuda_error(gradcomp_err_, #expr, __FILE__, __LINE__);        \
+  } while (0)
+
+//! Check the launch just made (configuration errors; asynchronous faults surface later).
+#define GRADCOMP_CUDA_CHECK_LAUNCH(name)                                                           \
+  do {                                                                                             \
+    const cudaError_t gradcomp_err_ = cudaGetLastError();                                          \
+    if (gradcomp_err_ != cudaSuccess)                                                              \
+      ::gradcomp::detail::cuda::throw_cuda_error(gradcomp_err_, "launch of " name, __FILE__, __LINE__); \
+  } while (0)
+
+inline cudaStream_t to_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
+
+//! Makes `device` current for the scope of a call, restoring the previous device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+//! Multiprocessors of `device` (cached; a host attribute query, no synchronization).
+int sm_count(int device);
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// ---- element tags -------------------------------------------------------------------------------
+struct DF32 {
+  using storage = float;
+  static constexpr DType dtype = DType::float32;
+  __device__ __forceinline__ static float load(float v) { return v; }
+  __device__ __forceinline__ static float store(float v) { return v; }
+};
+struct DF16 {
+  using storage = uint16_t;
+  static constexpr DType dtype = DType::float16;
+  __device__ __forceinline__ static float load(uint16_t v) { return common::half_bits_to_float(v); }
+  __device__ __forceinline__ static uint16_t store(float v) { return common::float_to_half_bits(v); }
+};
+struct DBF16 {
+  using storage = uint16_t;
+  static constexpr DType dtype = DType::bfloat16;
+  __device__ __forceinline__ static float load(uint16_t v) { return common::bf16_bits_to_float(v); }
+  __device__ __forceinline__ static uint16_t store(float v) { return common::float_to_bf16_bits(v); }
+};
+
+//! The canonical quiet NaN (what the CPU backend's std::numeric_limits<float>::quiet_NaN() is).
+__device__ __forceinline__ float quiet_nan() { return __uint_as_float(0x7FC00000u); }
+__device__ __forceinline__ uint32_t nonfinite_bit(float v) {
+  return common::is_finite_bits(__float_as_uint(v)) ? 0u : 1u;
+}
+
+// ---- 8 consecutive elements through 16-byte vectors (p must be 16-byte aligned) -----------------
+template <class T> __device__ __forceinline__ void load8(const typename T::storage* p, float (&v)[plan::kItems]) {
+  if constexpr (sizeof(typename T::storage) == 4) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[2 * j] = T::load(static_cast<uint16_t>(w[j] & 0xFFFFu));
+      v[2 * j + 1] = T::load(static_cast<uint16_t>(w[j] >> 16));
+    }
+  }
+}
+//! Store 8 already-converted codes.
+template <class T> __device__ __forceinline__ void store8(typename T::storage* p, const typename T::storage (&c)[plan::kItems]) {
+  if constexpr (sizeof(typename T::storage) == 4) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(c[0], c[1], c[2], c[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(c[4], c[5], c[6], c[7]);
+  } else {
+    uint4 a;
+    a.x = uint32_t(c[0]) | (uint32_t(c[1]) << 16);
+    a.y = uint32_t(c[2]) | (uint32_t(c[3]) << 16);
+    a.z = uint32_t(c[4]) | (uint32_t(c[5]) << 16);
+    a.w = uint32_t(c[6]) | (uint32_t(c[7]) << 16);
+    *reinterpret_cast<uint4*>(p) = a;
+  }
+}
+__device__ __forceinline__ void store8f(float* p, const float (&v)[plan::kItems]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+//! Load one element of a gradient dtype known only at run time (0 float32, 1 float16, 2 bfloat16).
+__device__ __forceinline__ float load_dyn(const uint8_t* base, int dtype, int64_t i) {
+  if (dtype == 0) return reinterpret_cast<const float*>(base)[i];
+  const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];
+  return dtype == 1 ? common::half_bits_to_float(h) : common::bf16_bits_to_float(h);
+}
+
+// ---- packet header check on the device ------------------------------------------------------------
+//! What a decode kernel checks: the expected header (HeaderExpect) plus the packet size rule
+//! fixed_bytes + align16(wire_count * sizeof(wire)) <= capacity.
+struct DeviceExpect {
+  PacketHeader h;
+  int64_t capacity;
+  int64_t fixed_bytes;
+  int64_t wire_count;
+  int check_index; //!< top-k: the index dtype must match too
+};
+
+//! Returns the wire dtype (0..2) of a header that matches `e`, or -1. Wire rule: the expected
+//! wire dtype, or the header's input dtype when the expectation is DType::none (codec none,
+//! top-k value_dtype=auto).
+__device__ __forceinline__ int check_header(const PacketHeader& g, const DeviceExpect& e) {
+  if (g.magic != e.h.magic || g.version != e.h.version || g.codec_id != e.h.codec_id ||
+      g.spec_hash != e.h.spec_hash || g.numel != e.h.numel || g.main_param != e.h.main_param)
+    return -1;
+  if (g.input_dtype > 2) return -1;
+  const int wire = e.h.wire_dtype == static_cast<uint8_t>(DType::none) ? g.input_dtype : e.h.wire_dtype;
+  if (g.wire_dtype != wire || wire > 2) return -1;
+  if (e.check_index && g.index_dtype != e.h.index_dtype) return -1;
+  const int64_t need = e.fixed_bytes + (e.wire_count * (wire == 0 ? 4 : 2) + 15) / 16 * 16;
+  if (need > e.capacity) return -1;
+  return wire;
+}
+
+//! Read the 32-byte header at a 16-byte aligned address.
+__device__ __forceinline__ PacketHeader load_header(const uint8_t* packet) {
+  const uint4 a = reinterpret_cast<const uint4*>(packet)[0];
+  const uint4 b = reinterpret_cast<const uint4*>(packet)[1];
+  PacketHeader h;
+  uint4 w[2] = {a, b};
+  memcpy(&h, w, sizeof h);
+  return h;
+}
+//! Write the 32-byte header (one thread).
+__device__ __forceinline__ void store_header(uint8_t* packet, const PacketHeader& h) {
+  uint4 w[2];
+  memcpy(w, &h, sizeof h);
+  reinterpret_cast<uint4*>(packet)[0] = w[0];
+  reinterpret_cast<uint4*>(packet)[1] = w[1];
+}
+
+//! Last-block election: every block calls it once after its global writes; true in the block that
+//! finishes last (all blocks' writes are then visible to it). `s_last` is a shared-memory flag.
+__device__ __forceinline__ bool elect_last_block(uint32_t* counter, bool* s_last) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *s_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  const bool last = *s_last;
+  if (last) __threadfence();
+  return last;
+}
+
+} // namespace gradcomp::detail::cuda

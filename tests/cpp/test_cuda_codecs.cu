@@ -1,0 +1,723 @@
+// SPDX-License-Identifier: Apache-2.0
+// CUDA backend of none / fp16 / bf16 / topk: packets byte-for-byte equal to the CPU backend's and to
+// independent references (a plain loop over cuda_fp16 / cuda_bf16 host conversions for the casts,
+// std::stable_sort for top-k), residuals bit-exact, decode equal to the CPU's, corrupt packets
+// reported through the status word without writes out of bounds. Every test skips without a GPU.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/plan.hpp"
+#include "gradcomp/gradcomp.hpp"
+
+namespace {
+
+using gradcomp::Codec;
+using gradcomp::DecodeMode;
+using gradcomp::Device;
+using gradcomp::DeviceKind;
+using gradcomp::DType;
+using gradcomp::Tensor;
+
+bool has_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_GPU()                                                                              \
+  do {                                                                                             \
+    if (!has_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";            \
+  } while (0)
+#define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+const Device kGpu{DeviceKind::cuda, 0};
+
+// ---- device buffers ------------------------------------------------------------------------------
+struct DevBuf {
+  uint8_t* p = nullptr;
+  size_t bytes = 0;
+  explicit DevBuf(size_t b) : bytes(b) {
+    if (cudaMalloc(&p, std::max<size_t>(b, 16)) != cudaSuccess) p = nullptr;
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+};
+void upload(uint8_t* d, const void* h, size_t n) { ASSERT_EQ(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice), cudaSuccess); }
+std::vector<uint8_t> download(const uint8_t* d, size_t n) {
+  std::vector<uint8_t> h(n);
+  EXPECT_EQ(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+// ---- independent reference conversions (cuda_fp16 / cuda_bf16 host code, NaN handled here) ------
+uint32_t fbits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float bitsf(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t ref_to_half(float f) {
+  if (std::isnan(f)) return uint16_t((std::signbit(f) ? 0x8000u : 0u) | 0x7E00u);
+  return __half_as_ushort(__float2half_rn(f));
+}
+float ref_from_half(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+uint16_t ref_to_bf16(float f) {
+  if (std::isnan(f)) return uint16_t((std::signbit(f) ? 0x8000u : 0u) | 0x7FC0u);
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+float ref_from_bf16(uint16_t h) { return bitsf(uint32_t(h) << 16); }
+int64_t dsize(DType t) { return gradcomp::dtype_size(t); }
+
+//! Element i of a buffer of dtype t as float.
+float ref_load(const std::vector<uint8_t>& b, DType t, int64_t i) {
+  if (t == DType::float32) {
+    float f;
+    std::memcpy(&f, b.data() + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, b.data() + 2 * i, 2);
+  return t == DType::float16 ? ref_from_half(h) : ref_from_bf16(h);
+}
+//! Store v as dtype t at element i; returns the decoded value.
+float ref_store(std::vector<uint8_t>& b, DType t, int64_t i, float v) {
+  if (t == DType::float32) {
+    std::memcpy(b.data() + 4 * i, &v, 4);
+    return v;
+  }
+  const uint16_t h = t == DType::float16 ? ref_to_half(v) : ref_to_bf16(v);
+  std::memcpy(b.data() + 2 * i, &h, 2);
+  return t == DType::float16 ? ref_from_half(h) : ref_from_bf16(h);
+}
+std::vector<uint8_t> to_dtype(const std::vector<float>& v, DType t) {
+  std::vector<uint8_t> b(v.size() * dsize(t));
+  for (size_t i = 0; i < v.size(); ++i) ref_store(b, t, int64_t(i), v[i]);
+  return b;
+}
+
+// ---- inputs ----------------------------------------------------------------------------------------
+enum class Kind { normal, zeros, constant, outlier, edges, ties, skewed };
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::normal: return "normal";
+    case Kind::zeros: return "zeros";
+    case Kind::constant: return "constant";
+    case Kind::outlier: return "outlier";
+    case Kind::edges: return "edges";
+    case Kind::ties: return "ties";
+    case Kind::skewed: return "skewed";
+  }
+  return "?";
+}
+std::vector<float> make_values(int64_t n, Kind kind, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  const float edge[] = {0.0f, -0.0f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                        bitsf(0x7FC00000u), bitsf(0xFFC00000u), bitsf(0x7F800123u), 1e-40f, -1e-42f, 65504.0f,
+                        -65504.0f, 65519.0f, 65520.0f, -65520.0f, 6.0e-8f, 2.9e-8f, 3.0e38f, -1.5f, 1e-5f};
+  for (int64_t i = 0; i < n; ++i) {
+    switch (kind) {
+      case Kind::normal: v[i] = nd(rng); break;
+      case Kind::zeros: v[i] = 0.0f; break;
+      case Kind::constant: v[i] = -0.75f; break;
+      case Kind::outlier: v[i] = nd(rng) * 1e-3f; break;
+      case Kind::edges: v[i] = (rng() % 4 == 0) ? edge[rng() % (sizeof edge / sizeof edge[0])] : nd(rng); break;
+      case Kind::ties: v[i] = float(int(rng() % 5) - 2) * 0.5f; break; // few distinct magnitudes
+      case Kind::skewed: v[i] = (i >= n / 3 && i < n / 3 + n / 50 + 1) ? nd(rng) * 100.0f : nd(rng) * 1e-4f; break;
+    }
+  }
+  if (kind == Kind::outlier && n > 0) v[size_t(n / 2)] = 1e30f;
+  return v;
+}
+
+// ---- running codecs on CPU and GPU ---------------------------------------------------------------
+struct Encoded {
+  std::vector<uint8_t> packet;
+  std::vector<float> residual;
+};
+Encoded encode_cpu(const Codec& c, const std::vector<uint8_t>& x, DType t, int64_t n, const std::vector<float>* r,
+                   float divisor) {
+  Encoded e;
+  std::vector<uint8_t> xs = x;
+  e.packet.assign(size_t(c.packet_bytes(n, t)) + 16, 0xAB);
+  std::vector<uint8_t> ws(static_cast<size_t>(c.workspace_bytes(n, t, Device{})) + 64);
+  auto* pk = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(e.packet.data()) + 15) & ~uintptr_t(15));
+  auto* wp = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ws.data()) + 15) & ~uintptr_t(15));
+  Tensor xt{xs.data(), t, n, Device{}};
+  Tensor pt{pk, DType::uint8, c.packet_bytes(n, t), Device{}};
+  Tensor wt{wp, DType::uint8, c.workspace_bytes(n, t, Device{}), Device{}};
+  if (r) {
+    e.residual = *r;
+    Tensor rt{e.residual.data(), DType::float32, n, Device{}};
+    c.encode(xt, &rt, pt, wt, {}, divisor);
+  } else {
+    c.encode(xt, nullptr, pt, wt, {}, divisor);
+  }
+  e.packet = std::vector<uint8_t>(pk, pk + c.packet_bytes(n, t));
+  return e;
+}
+//! `elem_offset` shifts x and the residual by that many elements from a 256-byte aligned
+//! allocation (1: not 16-byte aligned, exercising the scalar paths).
+Encoded encode_gpu(const Codec& c, const std::vector<uint8_t>& x, DType t, int64_t n, const std::vector<float>* r,
+                   float divisor, int elem_offset = 0, cudaStream_t stream = nullptr) {
+  Encoded e;
+  const int64_t pb = c.packet_bytes(n, t), wb = c.workspace_bytes(n, t, kGpu);
+  DevBuf dx(static_cast<size_t>((n + elem_offset) * dsize(t))), dr(static_cast<size_t>((n + elem_offset) * 4)),
+      dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));
+  EXPECT_TRUE(dx.p && dr.p && dp.p && dw.p);
+  if (!(dx.p && dr.p && dp.p && dw.p)) return e;
+  uint8_t* xp = dx.p + elem_offset * dsize(t);
+  float* rp = reinterpret_cast<float*>(dr.p) + elem_offset;
+  if (n) cudaMemcpy(xp, x.data(), size_t(n * dsize(t)), cudaMemcpyHostToDevice);
+  if (r && n) cudaMemcpy(rp, r->data(), size_t(n * 4), cudaMemcpyHostToDevice);
+  cudaMemset(dp.p, 0xCD, size_t(pb));
+  cudaMemset(dw.p, 0xFF, size_t(wb)); // garbage workspace: encode must not rely on zeroed scratch
+  cudaMemset(dw.p, 0, 16);
+  Tensor xt{xp, t, n, kGpu};
+  Tensor pt{dp.p, DType::uint8, pb, kGpu};
+  Tensor wt{dw.p, DType::uint8, wb, kGpu};
+  Tensor rt{rp, DType::float32, n, kGpu};
+  c.encode(xt, r ? &rt : nullptr, pt, wt, gradcomp::Stream{stream}, divisor);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  e.packet = download(dp.p, size_t(pb));
+  if (r) {
+    e.residual.resize(size_t(n));
+    if (n) cudaMemcpy(e.residual.data(), rp, size_t(n * 4), cudaMemcpyDeviceToHost);
+  }
+  return e;
+}
+
+//! Index of the first differing byte, or -1.
+int64_t first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return int64_t(i);
+  return -1;
+}
+int64_t first_diff_f(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
+  for (size_t i = 0; i < a.size(); ++i)
+    if (fbits(a[i]) != fbits(b[i])) return int64_t(i);
+  return -1;
+}
+
+gradcomp::PacketHeader make_ref_header(const Codec& c, int64_t n, DType in, DType wire, DType index, int64_t main) {
+  gradcomp::PacketHeader h{};
+  h.magic = gradcomp::kPacketMagic;
+  h.version = gradcomp::kPacketVersion;
+  h.codec_id = uint16_t(c.id());
+  h.input_dtype = uint8_t(in);
+  h.wire_dtype = uint8_t(wire);
+  h.index_dtype = uint8_t(index);
+  h.spec_hash = gradcomp::fnv1a32(c.spec());
+  h.numel = uint64_t(n);
+  h.main_param = uint64_t(main);
+  return h;
+}
+
+// ---- cast reference: a plain loop ------------------------------------------------------------------
+Encoded cast_reference(const Codec& c, DType wire, const std::vector<uint8_t>& x, DType t, int64_t n,
+                       const std::vector<float>* r, float divisor) {
+  Encoded e;
+  e.packet.assign(size_t(c.packet_bytes(n, t)), 0);
+  std::vector<uint8_t> payload(static_cast<size_t>((n + 1) * dsize(wire)));
+  if (r) e.residual = *r;
+  bool nf = false;
+  for (int64_t i = 0; i < n; ++i) {
+    float xp = ref_load(x, t, i);
+    if (r) xp = xp + (*r)[size_t(i)];
+    const float y = divisor == 1.0f ? xp : xp / divisor;
+    const float d = ref_store(payload, wire, i, y);
+    if (r) e.residual[size_t(i)] = divisor == 1.0f ? xp - d : xp - divisor * d;
+    nf = nf || !std::isfinite(y) || !std::isfinite(d);
+  }
+  ref_store(payload, wire, n, nf ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+  auto h = make_ref_header(c, n, t, wire, DType::none, 0);
+  h.flags = nf ? 1 : 0;
+  std::memcpy(e.packet.data(), &h, 32);
+  std::memcpy(e.packet.data() + 32, payload.data(), payload.size());
+  return e;
+}
+
+// ---- top-k reference: std::stable_sort ---------------------------------------------------------------
+uint32_t ref_key(float y) {
+  if (std::isnan(y)) return 0x7F800001u;
+  return fbits(y) & 0x7FFFFFFFu;
+}
+Encoded topk_reference(const Codec& c, DType value_dtype, DType index_dtype, const std::vector<uint8_t>& x, DType t,
+                       int64_t n, const std::vector<float>* r, float divisor) {
+  const int64_t k = c.main_param(n);
+  Encoded e;
+  e.packet.assign(size_t(c.packet_bytes(n, t)), 0);
+  std::vector<float> xp(static_cast<size_t>(n)), y(static_cast<size_t>(n));
+  bool nf = false;
+  for (int64_t i = 0; i < n; ++i) {
+    xp[i] = r ? ref_load(x, t, i) + (*r)[size_t(i)] : ref_load(x, t, i);
+    y[i] = divisor == 1.0f ? xp[i] : xp[i] / divisor;
+    nf = nf || !std::isfinite(y[i]);
+  }
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ref_key(y[a]) > ref_key(y[b]); });
+  order.resize(size_t(k));
+  std::sort(order.begin(), order.end());
+  if (r) e.residual = xp;
+  const int64_t isz = dsize(index_dtype);
+  const int64_t voff = 32 + gradcomp::align16(k * isz);
+  std::vector<uint8_t> vals(static_cast<size_t>(k * dsize(value_dtype)));
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t i = order[size_t(j)];
+    const uint64_t i64 = uint64_t(i);
+    std::memcpy(e.packet.data() + 32 + j * isz, &i64, size_t(isz)); // little-endian
+    const float d = ref_store(vals, value_dtype, j, y[i]);
+    nf = nf || !std::isfinite(d);
+    if (r) e.residual[size_t(i)] = divisor == 1.0f ? xp[i] - d : xp[i] - divisor * d;
+  }
+  if (!vals.empty()) std::memcpy(e.packet.data() + voff, vals.data(), vals.size());
+  auto h = make_ref_header(c, n, t, value_dtype, index_dtype, k);
+  h.flags = nf ? 1 : 0;
+  std::memcpy(e.packet.data(), &h, 32);
+  return e;
+}
+
+const DType kDtypes[] = {DType::float32, DType::float16, DType::bfloat16};
+const char* dn(DType t) { return gradcomp::dtype_name(t).data(); }
+
+// ---- decode on CPU and GPU ------------------------------------------------------------------------------
+std::vector<uint8_t> decode_cpu(const Codec& c, const std::vector<uint8_t>& packet, DType out_t, int64_t n,
+                                const std::vector<uint8_t>& init, DecodeMode mode, float alpha, uint32_t* status) {
+  std::vector<uint8_t> pk(packet.size() + 16);
+  auto* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(pk.data()) + 15) & ~uintptr_t(15));
+  std::memcpy(p, packet.data(), packet.size());
+  std::vector<uint8_t> out = init;
+  alignas(16) uint32_t ws[4] = {0, 0, 0, 0};
+  c.decode(Tensor{p, DType::uint8, int64_t(packet.size()), Device{}}, Tensor{out.data(), out_t, n, Device{}},
+           Tensor{ws, DType::uint8, 16, Device{}}, mode, alpha);
+  if (status) *status = ws[0];
+  return out;
+}
+//! Decodes on the GPU into out (with 256 guard bytes after it that must stay untouched).
+std::vector<uint8_t> decode_gpu(const Codec& c, const std::vector<uint8_t>& packet, DType out_t, int64_t n,
+                                const std::vector<uint8_t>& init, DecodeMode mode, float alpha, uint32_t* status,
+                                int64_t packet_bytes = -1) {
+  const size_t ob = size_t(n * dsize(out_t));
+  DevBuf dp(packet.size()), dout(ob + 256), dw(64);
+  upload(dp.p, packet.data(), packet.size());
+  cudaMemset(dout.p, 0x5A, ob + 256);
+  if (ob) upload(dout.p, init.data(), ob);
+  cudaMemset(dw.p, 0, 64);
+  c.decode(Tensor{dp.p, DType::uint8, packet_bytes >= 0 ? packet_bytes : int64_t(packet.size()), kGpu},
+           Tensor{dout.p, out_t, n, kGpu}, Tensor{dw.p, DType::uint8, 64, kGpu}, mode, alpha);
+  const uint32_t st = gradcomp::read_status(Tensor{dw.p, DType::uint8, 64, kGpu});
+  if (status) *status = st;
+  EXPECT_EQ(gradcomp::read_status(Tensor{dw.p, DType::uint8, 64, kGpu}), 0u) << "read_status must clear the word";
+  auto all = download(dout.p, ob + 256);
+  for (size_t i = ob; i < ob + 256; ++i) EXPECT_EQ(all[i], 0x5A) << "guard byte " << i - ob << " overwritten";
+  all.resize(ob);
+  return all;
+}
+
+// ==========================================================================================================
+// Casts
+// ==========================================================================================================
+TEST(CudaCast, MatchesCpuAndReference) {
+  REQUIRE_GPU();
+  const int64_t sizes[] = {0, 1, 7, 8, 9, 15, 16, 17, 255, 257, 2047, 2048, 2049, 4095, 4097, 65535, 65537, (1 << 20) + 3};
+  const char* specs[] = {"none", "fp16", "bf16"};
+  uint32_t seed = 1;
+  for (const char* spec : specs) {
+    auto c = Codec::create(spec);
+    for (DType t : kDtypes) {
+      const DType wire = std::string(spec) == "none" ? t : std::string(spec) == "fp16" ? DType::float16 : DType::bfloat16;
+      for (int64_t n : sizes) {
+        for (Kind kind : {Kind::normal, Kind::edges, Kind::zeros, Kind::outlier}) {
+          if (kind != Kind::normal && kind != Kind::edges && n > 5000) continue;
+          const auto vals = make_values(n, kind, seed++);
+          const auto x = to_dtype(vals, t);
+          std::vector<float> r = make_values(n, kind == Kind::edges ? Kind::edges : Kind::normal, seed++);
+          for (int variant = 0; variant < 4; ++variant) {
+            const bool with_r = variant & 1;
+            const float div = (variant & 2) ? 3.0f : 1.0f;
+            SCOPED_TRACE(std::string(spec) + " " + dn(t) + " n=" + std::to_string(n) + " " + kind_name(kind) +
+                         (with_r ? " residual" : "") + " div=" + std::to_string(div));
+            const auto ref = cast_reference(*c, wire, x, t, n, with_r ? &r : nullptr, div);
+            const auto cpu = encode_cpu(*c, x, t, n, with_r ? &r : nullptr, div);
+            const auto gpu = encode_gpu(*c, x, t, n, with_r ? &r : nullptr, div, variant == 3 ? 1 : 0);
+            ASSERT_EQ(first_diff(cpu.packet, ref.packet), -1) << "CPU packet differs from the reference";
+            ASSERT_EQ(first_diff(gpu.packet, ref.packet), -1) << "GPU packet differs from the reference";
+            ASSERT_EQ(first_diff_f(gpu.residual, ref.residual), -1) << "GPU residual differs";
+            ASSERT_EQ(first_diff_f(cpu.residual, gpu.residual), -1);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaCast, DecodeMatchesCpu) {
+  REQUIRE_GPU();
+  uint32_t seed = 100;
+  for (const char* spec : {"none", "fp16", "bf16"}) {
+    auto c = Codec::create(spec);
+    for (DType t : kDtypes) {
+      for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(4097), int64_t(100003)}) {
+        for (Kind kind : {Kind::normal, Kind::edges}) {
+          const auto x = to_dtype(make_values(n, kind, seed++), t);
+          const auto packet = encode_cpu(*c, x, t, n, nullptr, 1.0f).packet;
+          for (DType out_t : kDtypes) {
+            const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
+            for (DecodeMode mode : {DecodeMode::assign, DecodeMode::accumulate}) {
+              for (float alpha : {1.0f, 0.25f, -3.0f}) {
+                SCOPED_TRACE(std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" + std::to_string(n) +
+                             " " + kind_name(kind) + " alpha=" + std::to_string(alpha) +
+                             (mode == DecodeMode::accumulate ? " acc" : " assign"));
+                uint32_t s_cpu = 0, s_gpu = 0;
+                const auto a = decode_cpu(*c, packet, out_t, n, init, mode, alpha, &s_cpu);
+                const auto b = decode_gpu(*c, packet, out_t, n, init, mode, alpha, &s_gpu);
+                ASSERT_EQ(first_diff(a, b), -1);
+                ASSERT_EQ(s_cpu, s_gpu);
+                // independent check of a few elements
+                if (n > 0 && !(packet[11] & 1) && mode == DecodeMode::assign) {
+                  const DType wire = static_cast<DType>(packet[9]);
+                  std::vector<uint8_t> pl(packet.begin() + 32, packet.end());
+                  for (int64_t i = 0; i < n; i += std::max<int64_t>(1, n / 17)) {
+                    std::vector<uint8_t> one(4);
+                    const float expect = ref_store(one, out_t, 0, ref_load(pl, wire, i) * alpha);
+                    EXPECT_EQ(fbits(ref_load(b, out_t, i)), fbits(expect)) << "element " << i;
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaCast, NonFiniteFlagAndSentinel) {
+  REQUIRE_GPU();
+  auto c = Codec::create("fp16");
+  // 70000 overflows fp16: finite input, non-finite wire value (the documented exception).
+  std::vector<float> v(1000, 1.0f);
+  v[500] = 70000.0f;
+  const auto x = to_dtype(v, DType::float32);
+  const auto gpu = encode_gpu(*c, x, DType::float32, 1000, nullptr, 1.0f);
+  EXPECT_EQ(gpu.packet[11] & 1, 1);
+  uint16_t sentinel;
+  std::memcpy(&sentinel, gpu.packet.data() + 32 + 1000 * 2, 2);
+  EXPECT_EQ(sentinel, 0x7E00);
+  uint32_t st = 0;
+  const auto out = decode_gpu(*c, gpu.packet, DType::float32, 1000, std::vector<uint8_t>(4000, 0), DecodeMode::assign,
+                              1.0f, &st);
+  EXPECT_EQ(st, gradcomp::kStatusNonFinite);
+  EXPECT_TRUE(std::isnan(ref_load(out, DType::float32, 0)));
+  EXPECT_EQ(ref_load(out, DType::float32, 1), 1.0f);
+  // A clean packet whose sentinel alone says NaN (as after a sum allreduce) also sets the status.
+  auto clean = encode_gpu(*c, to_dtype(std::vector<float>(1000, 2.0f), DType::float32), DType::float32, 1000, nullptr,
+                          1.0f);
+  EXPECT_EQ(clean.packet[11] & 1, 0);
+  const uint16_t nan16 = 0x7E00;
+  std::memcpy(clean.packet.data() + 32 + 1000 * 2, &nan16, 2);
+  decode_gpu(*c, clean.packet, DType::float32, 1000, std::vector<uint8_t>(4000, 0), DecodeMode::assign, 1.0f, &st);
+  EXPECT_EQ(st, gradcomp::kStatusNonFinite);
+}
+
+TEST(CudaCast, CorruptHeaderWritesNothing) {
+  REQUIRE_GPU();
+  const int64_t n = 5000;
+  for (const char* spec : {"none", "bf16"}) {
+    auto c = Codec::create(spec);
+    const auto good = encode_cpu(*c, to_dtype(make_values(n, Kind::normal, 7), DType::float32), DType::float32, n,
+                                 nullptr, 1.0f)
+                          .packet;
+    const std::vector<uint8_t> init(static_cast<size_t>(n * 4), 0x11);
+    struct Mut {
+      const char* what;
+      int offset;
+      uint8_t value;
+    };
+    for (Mut m : {Mut{"magic", 0, 0x00}, Mut{"version", 4, 9}, Mut{"codec id", 6, 4}, Mut{"input dtype", 8, 7},
+                  Mut{"wire dtype", 9, 1}, Mut{"spec hash", 12, 0x42}, Mut{"numel", 16, 0x99},
+                  Mut{"main param", 24, 1}}) {
+      SCOPED_TRACE(std::string(spec) + ": corrupt " + m.what);
+      auto bad = good;
+      if (bad[size_t(m.offset)] == m.value) bad[size_t(m.offset)] ^= 0x80;
+      else bad[size_t(m.offset)] = m.value;
+      uint32_t st = 0;
+      const auto out = decode_gpu(*c, bad, DType::float32, n, init, DecodeMode::assign, 1.0f, &st);
+      EXPECT_EQ(st, gradcomp::kStatusCorrupt);
+      EXPECT_EQ(first_diff(out, init), -1) << "a corrupt packet wrote into out";
+    }
+    // A packet buffer shorter than its header says: corrupt, nothing written.
+    uint32_t st = 0;
+    const auto out = decode_gpu(*c, good, DType::float32, n, init, DecodeMode::assign, 1.0f, &st, 64);
+    EXPECT_EQ(st, gradcomp::kStatusCorrupt);
+    EXPECT_EQ(first_diff(out, init), -1);
+  }
+}
+
+TEST(CudaCast, NonDefaultStream) {
+  REQUIRE_GPU();
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto c = Codec::create("bf16");
+  const int64_t n = 300001;
+  const auto x = to_dtype(make_values(n, Kind::normal, 9), DType::float32);
+  std::vector<float> r = make_values(n, Kind::normal, 10);
+  const auto gpu = encode_gpu(*c, x, DType::float32, n, &r, 2.0f, 0, s);
+  const auto ref = cast_reference(*c, DType::bfloat16, x, DType::float32, n, &r, 2.0f);
+  EXPECT_EQ(first_diff(gpu.packet, ref.packet), -1);
+  EXPECT_EQ(first_diff_f(gpu.residual, ref.residual), -1);
+  cudaStreamDestroy(s);
+}
+
+// ==========================================================================================================
+// Top-k
+// ==========================================================================================================
+void check_topk(const std::string& spec, DType t, int64_t n, Kind kind, uint32_t seed, bool with_r, float div,
+                int elem_offset = 0) {
+  auto c = Codec::create(spec);
+  const auto x = to_dtype(make_values(n, kind, seed), t);
+  std::vector<float> r = make_values(n, kind == Kind::edges ? Kind::edges : Kind::normal, seed + 1);
+  if (kind == Kind::zeros || kind == Kind::constant || kind == Kind::ties)
+    std::fill(r.begin(), r.end(), 0.0f); // keep the ties exact
+  const std::vector<float>* rp = with_r ? &r : nullptr;
+  SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " k=" + std::to_string(c->main_param(n)) + " " +
+               kind_name(kind) + (with_r ? " residual" : "") + " div=" + std::to_string(div));
+  const auto cpu = encode_cpu(*c, x, t, n, rp, div);
+  const auto gpu = encode_gpu(*c, x, t, n, rp, div, elem_offset);
+  const DType vt = static_cast<DType>(cpu.packet[9]), it = static_cast<DType>(cpu.packet[10]);
+  const auto ref = topk_reference(*c, vt, it, x, t, n, rp, div);
+  ASSERT_EQ(first_diff(cpu.packet, ref.packet), -1) << "CPU packet differs from the stable_sort reference";
+  ASSERT_EQ(first_diff(gpu.packet, cpu.packet), -1) << "GPU packet differs from the CPU packet";
+  if (with_r) {
+    ASSERT_EQ(first_diff_f(cpu.residual, ref.residual), -1);
+    ASSERT_EQ(first_diff_f(gpu.residual, cpu.residual), -1) << "GPU residual differs";
+  }
+}
+
+TEST(CudaTopK, EveryKOnSmallInputs) {
+  REQUIRE_GPU();
+  uint32_t seed = 1000;
+  for (int64_t n : {1, 2, 3, 7, 8, 9, 16, 17, 33}) {
+    for (int64_t k = 0; k <= n; ++k) {
+      for (Kind kind : {Kind::normal, Kind::ties, Kind::edges, Kind::zeros}) {
+        check_topk("topk:k=" + std::to_string(k), DType::float32, n, kind, seed++, k % 2 == 1, 1.0f);
+      }
+    }
+  }
+}
+
+TEST(CudaTopK, SizesAroundPassBoundaries) {
+  REQUIRE_GPU();
+  namespace P = gradcomp::detail::cuda::plan;
+  std::vector<int64_t> sizes = {0, 1, 7, 255, 256, 257, 2047, 2048, 2049, 8191, 8193,
+                                P::kOneBlockMax - 1, P::kOneBlockMax, P::kOneBlockMax + 1, P::kOneBlockMax + 9,
+                                4 * P::kChunk * 3 + 5, (1 << 20) - 1, (1 << 20) + 1, 3000017};
+  uint32_t seed = 5000;
+  for (int64_t n : sizes) {
+    for (Kind kind : {Kind::normal, Kind::ties, Kind::zeros, Kind::constant, Kind::outlier, Kind::edges, Kind::skewed}) {
+      for (const char* ratio : {"0.01", "0.3", "1"}) {
+        check_topk(std::string("topk:ratio=") + ratio, DType::float32, n, kind, seed++, true, 1.0f);
+      }
+    }
+  }
+}
+
+TEST(CudaTopK, DtypesIndexAndValueTypes) {
+  REQUIRE_GPU();
+  uint32_t seed = 9000;
+  for (DType t : kDtypes) {
+    for (const char* opt : {"", ",value_dtype=float32", ",value_dtype=float16", ",value_dtype=bfloat16", ",index=u64"}) {
+      for (int64_t n : {int64_t(1000), int64_t(100003)}) {
+        for (Kind kind : {Kind::normal, Kind::edges, Kind::ties}) {
+          for (int variant = 0; variant < 4; ++variant) {
+            check_topk(std::string("topk:ratio=0.01") + opt, t, n, kind, seed++, variant & 1,
+                       (variant & 2) ? 3.0f : 1.0f, variant == 3 ? 1 : 0);
+          }
+        }
+      }
+    }
+    // multi-block with every dtype, misaligned, with a residual and a divisor
+    check_topk("topk:ratio=0.01", t, 1500001, Kind::normal, seed++, true, 3.0f, 1);
+    check_topk("topk:ratio=0.002,value_dtype=float16", t, 1500000, Kind::edges, seed++, true, 1.0f, 0);
+  }
+}
+
+TEST(CudaTopK, DecodeMatchesCpu) {
+  REQUIRE_GPU();
+  uint32_t seed = 12000;
+  for (const char* spec : {"topk:ratio=0.05", "topk:k=0", "topk:ratio=1,value_dtype=float16", "topk:ratio=0.1,index=u64"}) {
+    auto c = Codec::create(spec);
+    for (DType t : kDtypes) {
+      for (int64_t n : {int64_t(1), int64_t(100), int64_t(70001)}) {
+        const auto x = to_dtype(make_values(n, Kind::edges, seed++), t);
+        const auto packet = encode_cpu(*c, x, t, n, nullptr, 1.0f).packet;
+        for (DType out_t : kDtypes) {
+          const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
+          for (DecodeMode mode : {DecodeMode::assign, DecodeMode::accumulate}) {
+            for (float alpha : {1.0f, 0.5f}) {
+              SCOPED_TRACE(std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" + std::to_string(n));
+              uint32_t s_cpu = 0, s_gpu = 0;
+              const auto a = decode_cpu(*c, packet, out_t, n, init, mode, alpha, &s_cpu);
+              const auto b = decode_gpu(*c, packet, out_t, n, init, mode, alpha, &s_gpu);
+              ASSERT_EQ(first_diff(a, b), -1);
+              ASSERT_EQ(s_cpu, s_gpu);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaTopK, CorruptPacketsSetStatusAndStayInBounds) {
+  REQUIRE_GPU();
+  const int64_t n = 1000;
+  auto c = Codec::create("topk:k=10");
+  const auto good = encode_cpu(*c, to_dtype(make_values(n, Kind::normal, 77), DType::float32), DType::float32, n,
+                               nullptr, 1.0f)
+                        .packet;
+  uint32_t idx[10];
+  std::memcpy(idx, good.data() + 32, sizeof idx);
+  const std::vector<uint8_t> init(static_cast<size_t>(n * 4), 0x22);
+  auto with_index = [&](int j, uint32_t v) {
+    auto p = good;
+    std::memcpy(p.data() + 32 + 4 * j, &v, 4);
+    return p;
+  };
+  for (auto [what, pkt] : {std::pair{"index == numel", with_index(9, uint32_t(n))},
+                           std::pair{"index huge", with_index(3, 0xFFFFFFF0u)},
+                           std::pair{"out of order", with_index(5, idx[4] > 0 ? idx[4] - 1 : 0)},
+                           std::pair{"repeated", with_index(6, idx[5])}}) {
+    SCOPED_TRACE(what);
+    for (DecodeMode mode : {DecodeMode::assign, DecodeMode::accumulate}) {
+      uint32_t st = 0;
+      const auto out = decode_gpu(*c, pkt, DType::float32, n, init, mode, 1.0f, &st);
+      EXPECT_TRUE(st & gradcomp::kStatusCorrupt);
+      // the untouched valid entries were still applied
+      EXPECT_NE(fbits(ref_load(out, DType::float32, idx[0])), fbits(ref_load(init, DType::float32, idx[0])));
+      EXPECT_THROW(decode_cpu(*c, pkt, DType::float32, n, init, mode, 1.0f, nullptr), gradcomp::CorruptPacket);
+    }
+  }
+  for (int offset : {0, 6, 9, 10, 12, 16, 24}) {
+    SCOPED_TRACE("header byte " + std::to_string(offset));
+    auto bad = good;
+    bad[size_t(offset)] ^= 0x40;
+    uint32_t st = 0;
+    const auto out = decode_gpu(*c, bad, DType::float32, n, init, DecodeMode::assign, 1.0f, &st);
+    EXPECT_EQ(st, gradcomp::kStatusCorrupt);
+    EXPECT_EQ(first_diff(out, init), -1) << "a packet with a corrupt header wrote into out";
+  }
+  uint32_t st = 0;
+  const auto out = decode_gpu(*c, good, DType::float32, n, init, DecodeMode::assign, 1.0f, &st, 48);
+  EXPECT_EQ(st, gradcomp::kStatusCorrupt);
+  EXPECT_EQ(first_diff(out, init), -1);
+}
+
+TEST(CudaTopK, NonFiniteFlag) {
+  REQUIRE_GPU();
+  auto c = Codec::create("topk:k=3");
+  std::vector<float> v(50000, 0.5f);
+  v[1234] = -std::numeric_limits<float>::quiet_NaN();
+  v[40000] = std::numeric_limits<float>::infinity();
+  const auto x = to_dtype(v, DType::float32);
+  const auto gpu = encode_gpu(*c, x, DType::float32, 50000, nullptr, 1.0f);
+  EXPECT_EQ(gpu.packet[11] & 1, 1);
+  uint32_t i0, i1, i2;
+  std::memcpy(&i0, gpu.packet.data() + 32, 4);
+  std::memcpy(&i1, gpu.packet.data() + 36, 4);
+  std::memcpy(&i2, gpu.packet.data() + 40, 4);
+  EXPECT_EQ(i0, 0u); // the tie among 0.5 goes to the lowest index
+  EXPECT_EQ(i1, 1234u);
+  EXPECT_EQ(i2, 40000u);
+  uint32_t st = 0;
+  const auto out = decode_gpu(*c, gpu.packet, DType::float32, 50000, std::vector<uint8_t>(200000, 0),
+                              DecodeMode::accumulate, 1.0f, &st);
+  EXPECT_EQ(st, gradcomp::kStatusNonFinite);
+  EXPECT_TRUE(std::isnan(ref_load(out, DType::float32, 0)));
+}
+
+TEST(CudaTopK, Huge2To31Plus64Bfloat16) {
+  REQUIRE_GPU();
+  const int64_t n = (int64_t(1) << 31) + 64;
+  auto c = Codec::create("topk:k=100");
+  const int64_t pb = c->packet_bytes(n, DType::bfloat16), wb = c->workspace_bytes(n, DType::bfloat16, kGpu);
+  size_t free_b = 0, total_b = 0;
+  CK(cudaMemGetInfo(&free_b, &total_b));
+  const size_t need = size_t(n) * 2 * 2 + size_t(pb) + size_t(wb) + (size_t(1) << 28);
+  if (free_b < need) GTEST_SKIP() << "needs " << need / (1 << 20) << " MiB of device memory, " << free_b / (1 << 20) << " free";
+  DevBuf dx(static_cast<size_t>(n) * 2), dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));
+  ASSERT_TRUE(dx.p && dp.p && dw.p);
+  CK(cudaMemset(dx.p, 0, size_t(n) * 2));
+  CK(cudaMemset(dw.p, 0xFF, size_t(wb)));
+  // 64 planted values, 32 of them around 2^31 (21 past it), magnitudes 1..64 (bf16-exact), alternating signs.
+  std::vector<int64_t> where;
+  for (int j = 0; j < 64; ++j)
+    where.push_back(j < 32 ? int64_t(j) * 7919 * 4099 + 5 : (int64_t(1) << 31) - 32 + int64_t(j - 32) * 3);
+  for (int j = 0; j < 64; ++j) {
+    const uint16_t b = ref_to_bf16((j % 2 ? -1.0f : 1.0f) * float(j + 1));
+    CK(cudaMemcpy(dx.p + where[size_t(j)] * 2, &b, 2, cudaMemcpyHostToDevice));
+  }
+  c->encode(Tensor{dx.p, DType::bfloat16, n, kGpu}, nullptr, Tensor{dp.p, DType::uint8, pb, kGpu},
+            Tensor{dw.p, DType::uint8, wb, kGpu});
+  CK(cudaDeviceSynchronize());
+  const auto pk = download(dp.p, size_t(pb));
+  // Expected: the 64 planted indices plus the 36 lowest zero indices, ascending.
+  std::vector<int64_t> expect = where;
+  for (int64_t i = 0; int64_t(expect.size()) < 100; ++i)
+    if (std::find(where.begin(), where.end(), i) == where.end()) expect.push_back(i);
+  std::sort(expect.begin(), expect.end());
+  ASSERT_EQ(pk[10], uint8_t(DType::uint32));
+  const int64_t voff = 32 + gradcomp::align16(100 * 4);
+  for (int j = 0; j < 100; ++j) {
+    uint32_t i;
+    std::memcpy(&i, pk.data() + 32 + 4 * j, 4);
+    ASSERT_EQ(int64_t(i), expect[size_t(j)]) << "entry " << j;
+    uint16_t v;
+    std::memcpy(&v, pk.data() + voff + 2 * j, 2);
+    const auto it = std::find(where.begin(), where.end(), int64_t(i));
+    const float want = it == where.end() ? 0.0f : ((it - where.begin()) % 2 ? -1.0f : 1.0f) * float(it - where.begin() + 1);
+    EXPECT_EQ(ref_from_bf16(v), want) << "entry " << j;
+  }
+  // Decode (accumulate into the zero input) restores the planted values, past 2^31 too.
+  DevBuf dws(64);
+  CK(cudaMemset(dws.p, 0, 64));
+  c->decode(Tensor{dp.p, DType::uint8, pb, kGpu}, Tensor{dx.p, DType::bfloat16, n, kGpu},
+            Tensor{dws.p, DType::uint8, 64, kGpu}, DecodeMode::accumulate, 2.0f);
+  EXPECT_EQ(gradcomp::read_status(Tensor{dws.p, DType::uint8, 64, kGpu}), 0u);
+  for (int j = 0; j < 64; ++j) {
+    uint16_t b;
+    CK(cudaMemcpy(&b, dx.p + where[size_t(j)] * 2, 2, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(ref_from_bf16(b), 3.0f * (j % 2 ? -1.0f : 1.0f) * float(j + 1)) << "index " << where[size_t(j)];
+  }
+}
+
+TEST(CudaInfo, BuildInfo) {
+  const auto b = gradcomp::build_info();
+  EXPECT_TRUE(b.cuda);
+  EXPECT_FALSE(b.cuda_version.empty());
+  EXPECT_NE(b.cuda_version.find('.'), std::string::npos);
+  EXPECT_FALSE(b.cuda_architectures.empty());
+}
+
+} // namespace

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# One script for a GPU machine (an H200; no network): prints the tool versions it finds, configures
+# for sm_90 with tests, benchmarks and the Python module in build-gpu/, builds, runs the CUDA
+# gtests, `pytest tests/python -k cuda` when the Python module built, and the CUDA benchmarks.
+# Everything is tee'd into $GRADCOMP_GPU_LOG (default gpu-log/). Dependencies the machine lacks
+# come from gpu-carry/ (fill it first with tests/gpu/prepare_carry.sh on a machine that has them).
+#
+# Usage: tests/gpu/run.sh [--build-only] [--jobs N] [--no-python]
+#   --build-only  configure and build, run nothing (works without a GPU)
+# Environment: GRADCOMP_GPU_LOG (log folder), GRADCOMP_GPU_BUILD (build folder, default build-gpu),
+#              GRADCOMP_CUDA_ARCHS (default 90). Designed to finish within 5 minutes on an H200.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+build_only=0
+python=ON
+jobs=$(nproc 2>/dev/null || echo 4)
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build-only) build_only=1; shift ;;
+    --jobs) jobs=$2; shift 2 ;;
+    --no-python) python=OFF; shift ;;
+    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    *) echo "run.sh: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+done
+log=${GRADCOMP_GPU_LOG:-gpu-log}
+build=${GRADCOMP_GPU_BUILD:-build-gpu}
+archs=${GRADCOMP_CUDA_ARCHS:-90}
+mkdir -p "$log"
+log=$(cd "$log" && pwd)
+exec > >(tee -a "$log/run.log") 2>&1
+t0=$(date +%s)
+section() { echo; echo "=== $* ($(( $(date +%s) - t0 )) s) ==="; }
+failures=()
+
+section "versions"
+echo "date:   $(date -u +%FT%TZ)   host: $(hostname)"
+echo "nvcc:   $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*, V[0-9.]*' || echo 'not found')"
+echo "cmake:  $(cmake --version 2>/dev/null | head -1 || echo 'not found')"
+echo "ninja:  $(ninja --version 2>/dev/null || echo 'not found')"
+echo "gcc:    $(gcc -dumpfullversion 2>/dev/null || echo 'not found')"
+# Python: $PYTHON, else the repo's .venv (tests/setup.sh), else python3 on PATH.
+py=${PYTHON:-}
+[[ -z $py && -x $root/.venv/bin/python ]] && py=$root/.venv/bin/python
+py=${py:-python3}
+echo "python: $py: $("$py" --version 2>&1 || echo 'not found')"
+echo "torch:  $("$py" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1 | tail -1)"
+echo "pybind11: $("$py" -c 'import pybind11; print(pybind11.__version__)' 2>&1 | tail -1)"
+echo "pytest: $("$py" -m pytest --version 2>&1 | tail -1)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: no GPU visible"
+
+section "configure ($build, sm_$archs)"
+carry=$root/gpu-carry
+args=(-S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGRADCOMP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$archs"
+      -DGRADCOMP_TESTS=ON -DGRADCOMP_BENCH=ON -DPython_EXECUTABLE="$(command -v "$py" || echo "$py")")
+command -v ninja >/dev/null && args+=(-G Ninja)
+prefix=()
+if [[ -d $carry ]]; then
+  echo "using gpu-carry/: $(ls "$carry" | tr '\n' ' ')"
+  [[ -d $carry/googletest ]] && args+=(-DGRADCOMP_GTEST_SOURCE_DIR="$carry/googletest")
+  [[ -d $carry/include/dlpack ]] && args+=(-DDLPACK_INCLUDE_DIR="$carry/include")
+  if [[ -d $carry/benchmark ]]; then
+    bdir=$(dirname "$(find "$carry/benchmark" -name benchmarkConfig.cmake | head -1)")
+    [[ -n $bdir ]] && args+=(-Dbenchmark_DIR="$bdir")
+    prefix+=("$carry/benchmark")
+    export LD_LIBRARY_PATH="$(dirname "$(dirname "$bdir")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+  prefix+=("$carry")
+  export CPATH="$carry/include${CPATH:+:$CPATH}" # Random123, dlpack for any compile
+else
+  echo "no gpu-carry/ (run tests/gpu/prepare_carry.sh where the dependencies are installed)"
+fi
+[[ ${#prefix[@]} -gt 0 ]] && args+=(-DCMAKE_PREFIX_PATH="$(IFS=';'; echo "${prefix[*]}")")
+if ! cmake "${args[@]}" -DGRADCOMP_PYTHON=$python; then
+  if [[ $python == ON ]]; then
+    echo "run.sh: configure with GRADCOMP_PYTHON=ON failed; retrying without the Python module"
+    python=OFF
+    rm -f "$build/CMakeCache.txt"
+    cmake "${args[@]}" -DGRADCOMP_PYTHON=OFF || { echo "run.sh: configure failed"; exit 1; }
+  else
+    echo "run.sh: configure failed"; exit 1
+  fi
+fi
+
+section "build (-j$jobs)"
+if ! cmake --build "$build" -j "$jobs"; then
+  echo "run.sh: build failed"
+  exit 1
+fi
+if [[ $build_only == 1 ]]; then
+  section "done (--build-only)"
+  exit 0
+fi
+
+section "CUDA gtests"
+if [[ -x $build/tests/cpp/gradcomp_cuda_tests ]]; then
+  timeout 200 "$build/tests/cpp/gradcomp_cuda_tests" --gtest_output="xml:$log/gradcomp_cuda_tests.xml" ||
+    failures+=("gradcomp_cuda_tests")
+else
+  echo "gradcomp_cuda_tests was not built"; failures+=("gradcomp_cuda_tests (not built)")
+fi
+if [[ -x $build/tests/cpp/gradcomp_tests ]]; then
+  timeout 60 "$build/tests/cpp/gradcomp_tests" --gtest_filter='CudaPlan*' --gtest_output="xml:$log/cuda_plan_tests.xml" ||
+    failures+=("gradcomp_tests CudaPlan*")
+fi
+
+section "pytest -k cuda"
+so=$(compgen -G "$build/_C*.so" | head -1 || true)
+if [[ $python == ON && -n $so ]]; then
+  # Stage the package with the module just built (the source tree may hold another build's _C).
+  stage=$root/$build/pystage
+  rm -rf "$stage" && mkdir -p "$stage"
+  cp -r "$root/bindings/python/gradcomp" "$stage/"
+  rm -f "$stage"/gradcomp/_C*.so && cp "$so" "$stage/gradcomp/"
+  if [[ -d tests/python ]]; then
+    PYTHONPATH="$stage${PYTHONPATH:+:$PYTHONPATH}" timeout 120 "$py" -m pytest tests/python -k cuda -q \
+      -p no:cacheprovider --junitxml="$log/pytest_cuda.xml" || {
+        rc=$?; if [[ $rc == 5 ]]; then echo "pytest: no test selected by -k cuda"; else failures+=("pytest -k cuda (rc $rc)"); fi; }
+  fi
+else
+  echo "the Python module was not built; skipping pytest"
+fi
+
+section "CUDA benchmarks"
+if [[ -x $build/bench/bench_cuda ]]; then
+  timeout 150 "$build/bench/bench_cuda" --benchmark_out="$log/bench_cuda.json" --benchmark_out_format=json ||
+    failures+=("bench_cuda")
+else
+  echo "bench_cuda was not built (Google Benchmark missing?)"
+fi
+
+section "summary"
+if [[ ${#failures[@]} -eq 0 ]]; then
+  echo "run.sh: all passed; logs in $log"
+  exit 0
+fi
+printf 'run.sh: FAILED: %s\n' "${failures[@]}"
+exit 1

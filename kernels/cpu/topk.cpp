@@ -23,9 +23,11 @@
 // once. Otherwise the full radix select runs (2-4 reads). The sample only changes the speed.
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -69,6 +71,8 @@ inline int team_size() {
 template <class In, bool HasRes, bool Div1>
 struct Source {
   static constexpr bool has_res = HasRes;
+  // y is x itself: float32 input, no residual, divisor 1
+  static constexpr bool direct = std::is_same_v<In, F32> && !HasRes && Div1;
   const typename In::storage* x;
   float* r;
   float div;
@@ -136,23 +140,31 @@ struct Workspace {
 
 // Histogram of digit (key >> shift) & mask over keys with lo <= key <= hi (all keys when
 // filtering is off), for i in [b, e). Two interleaved sub-histograms break the dependency chain
-// of repeated increments of one bucket (gradients concentrate in few exponents).
+// of repeated increments of one bucket (gradients concentrate in few exponents); keys outside
+// [lo, hi] count into 16 spare buckets (by index, so that they form no dependency chain either)
+// instead of taking an unpredictable branch.
 template <bool Filter, class KeyAt>
 void histogram(int64_t b, int64_t e, KeyAt key_at, int shift, uint32_t mask, uint32_t lo, uint32_t hi, uint64_t* out) {
-  alignas(64) uint32_t h[2][kB];
+  alignas(64) uint32_t h[2][kB + 16];
+  auto bucket = [&](uint32_t key, int64_t i) -> uint32_t {
+    const uint32_t d = (key >> shift) & mask;
+    if constexpr (Filter) {
+      const uint32_t spare = uint32_t(kB) + uint32_t(i & 15);
+      const uint32_t in = uint32_t(key - lo <= hi - lo);  // lo <= key <= hi, arithmetic only
+      return spare + ((d - spare) & (0u - in));
+    } else {
+      return d;
+    }
+  };
   for (int64_t blk = b; blk < e; blk += int64_t(1) << 30) {
     const int64_t be = std::min(e, blk + (int64_t(1) << 30));
     std::memset(h, 0, sizeof h);
     int64_t i = blk;
     for (; i + 1 < be; i += 2) {
-      const uint32_t k0 = key_at(i), k1 = key_at(i + 1);
-      if (!Filter || (k0 >= lo && k0 <= hi)) ++h[0][(k0 >> shift) & mask];
-      if (!Filter || (k1 >= lo && k1 <= hi)) ++h[1][(k1 >> shift) & mask];
+      ++h[0][bucket(key_at(i), i)];
+      ++h[1][bucket(key_at(i + 1), i + 1)];
     }
-    if (i < be) {
-      const uint32_t k0 = key_at(i);
-      if (!Filter || (k0 >= lo && k0 <= hi)) ++h[0][(k0 >> shift) & mask];
-    }
+    if (i < be) ++h[0][bucket(key_at(i), i)];
     for (int d = 0; d < kB; ++d) out[d] += uint64_t(h[0][d]) + h[1][d];
   }
 }
@@ -172,20 +184,33 @@ int64_t filter(const Src& src, int64_t b, int64_t e, uint32_t lo, uint32_t* cy, 
   const __m512i vabs = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i iota0 = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i iota1 = _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8);
-  alignas(64) float yb[16];
+  // y is computed a block of 256 ahead, so the vector loads below never wait on the stores.
+  alignas(64) float yblock[256];
   for (; i + 16 <= e; i += 16) {
-    for (int j = 0; j < 16; ++j) yb[j] = y_at(i + j);
-    const __m512i yv = _mm512_load_si512(yb);
+    const float* yb;
+    if constexpr (Src::direct) {
+      yb = reinterpret_cast<const float*>(src.x) + i;
+    } else {
+      const int64_t bo = (i - b) & 255;
+      if (bo == 0) {
+        const int64_t len = std::min<int64_t>(256, (e - i) / 16 * 16);
+        for (int64_t j = 0; j < len; ++j) yblock[j] = y_at(i + j);
+      }
+      yb = yblock + bo;
+    }
+    const __m512i yv = _mm512_loadu_si512(yb);
     // |y| bits >= lo is key >= lo: lo never exceeds the NaN key, so mapping NaNs is not needed
     const __mmask16 m = _mm512_cmpge_epu32_mask(_mm512_and_si512(yv, vabs), vlo);
     if (m) {
       const int c = std::popcount(unsigned(m));
       if (o + 16 <= o1) {
-        _mm512_mask_compressstoreu_epi32(cy + o, m, yv);
+        // compress in registers and store whole vectors (the slots past the hits are scratch
+        // that later hits overwrite; compress-to-memory is much slower on current x86 cores)
+        _mm512_storeu_si512(cy + o, _mm512_maskz_compress_epi32(m, yv));
         const __m512i base = _mm512_set1_epi64(i);
         const __mmask8 m0 = __mmask8(m & 0xFF), m1 = __mmask8(m >> 8);
-        _mm512_mask_compressstoreu_epi64(ci + o, m0, _mm512_add_epi64(base, iota0));
-        _mm512_mask_compressstoreu_epi64(ci + o + std::popcount(unsigned(m0)), m1, _mm512_add_epi64(base, iota1));
+        _mm512_storeu_si512(ci + o, _mm512_maskz_compress_epi64(m0, _mm512_add_epi64(base, iota0)));
+        _mm512_storeu_si512(ci + o + std::popcount(unsigned(m0)), _mm512_maskz_compress_epi64(m1, _mm512_add_epi64(base, iota1)));
         o += c;
       } else {  // near the end of the region: one entry at a time
         for (int j = 0; j < 16; ++j)
@@ -258,20 +283,22 @@ void choose(Selection& s, Workspace& w, int T, int next_level, bool first) {
 
 constexpr uint32_t kNoGuess = 0xFFFFFFFFu;
 
-// Lower bound for the k-th key from a strided sample of 16384 elements: the sample's key at rank
-// about 2k (scaled to the sample) plus a margin of 32, capped at the +inf key (so the buffer holds
-// every non-finite value). kNoGuess below 2^18 elements or when the sample predicts more
-// candidates than 80% of a thread's buffer region.
-// `scratch` holds 16384 keys (the candidate buffer, unused at that point).
+// Lower bound for the k-th key from a strided sample of S = 8192 elements: the sample's key at
+// rank ks + 4 sqrt(ks) + 16, where ks = k S / n is the sample's share of k (the count of a sample
+// rank fluctuates by about its square root, so the margin is some 4 standard deviations), capped
+// at the +inf key (so the buffer holds every non-finite value). kNoGuess below 2^18 elements or
+// when the sample predicts more candidates than 80% of a thread's buffer region.
+// `scratch` holds S keys (the candidate buffer, unused at that point).
 template <class Src>
-uint32_t guess_lo(const Src& src, int64_t n, int64_t k, int64_t region, uint32_t* scratch) {
-  constexpr int64_t S = 16384;
+uint32_t guess_lo(const Src& src, int64_t n, int64_t k, int64_t region, uint32_t* scratch, int T) {
+  constexpr int64_t S = 8192;
   if (n < (int64_t(1) << 18)) return kNoGuess;
   uint32_t* keys = scratch;
   const int64_t stride = n / S;
+#pragma omp parallel for num_threads(T) schedule(static)
   for (int64_t j = 0; j < S; ++j) keys[j] = abs_key(src.peek(j * stride));
-  const int64_t ks = (k * S + n - 1) / n;
-  const int64_t rank = std::min<int64_t>(S, 2 * ks + 32);
+  const double ks = double(k) * double(S) / double(n);
+  const int64_t rank = std::min<int64_t>(S, int64_t(std::ceil(ks + 4.0 * std::sqrt(ks) + 16.0)));
   std::nth_element(keys, keys + (rank - 1), keys + S, std::greater<uint32_t>());
   const uint32_t g = std::min(keys[rank - 1], common::kInfKey);
   int64_t at_least = 0;
@@ -311,7 +338,7 @@ void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, PacketHeader h
     bool touched = false;   // the first touch (x' into the residual) has happened
 
     // Sampled prefilter: one read that buffers every key >= guess.
-    const uint32_t guess = guess_lo(src, n, k, region, w.cand_y);
+    const uint32_t guess = guess_lo(src, n, k, region, w.cand_y, T);
     if (guess != kNoGuess) {
       int64_t* count = w.count;
 #pragma omp parallel num_threads(T)

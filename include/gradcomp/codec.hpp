@@ -60,7 +60,8 @@ class Codec {
   virtual CodecProperties properties() const noexcept = 0;
 
   //! Exact packet size in bytes for `numel` elements of `dtype`: a multiple of 16, the same on
-  //! every rank. Throws InvalidArgument for numel < 0 or a dtype that is not a gradient dtype.
+  //! every rank. Throws InvalidArgument for numel outside [0, 2^56) or a dtype that is not a
+  //! gradient dtype.
   virtual int64_t packet_bytes(int64_t numel, DType dtype) const = 0;
   //! Scratch bytes encode/decode need on `device` (>= 16: the status word).
   virtual int64_t workspace_bytes(int64_t numel, DType dtype, Device device) const = 0;
@@ -73,8 +74,8 @@ class Codec {
   //! >= packet_bytes, 16-byte aligned). With `residual` (float32, numel elements, same device) the
   //! same pass computes x' = x + residual and overwrites residual with r_new (see file comment).
   //! `workspace` holds >= workspace_bytes(...) bytes on x's device. x is not modified.
-  //! Throws InvalidArgument for mismatched sizes/dtypes/devices/alignment, Unsupported for a CUDA
-  //! tensor in a CPU-only build.
+  //! Throws InvalidArgument for mismatched sizes/dtypes/devices/alignment or arguments whose bytes
+  //! overlap, Unsupported for a CUDA tensor in a CPU-only build.
   void encode(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
               Stream stream = {}, float divisor = 1.0f) const;
 

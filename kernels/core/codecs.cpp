@@ -112,6 +112,16 @@ void check_same_device(const Tensor& a, const char* an, const Tensor& b, const c
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Arguments that share bytes would be read after being written (e.g. residual == x, or out inside
+// the packet): reject any overlap of two non-empty byte ranges on one device.
+void check_disjoint(const Tensor& a, const char* an, const Tensor& b, const char* bn, const char* call) {
+  if (a.nbytes() == 0 || b.nbytes() == 0 || !(a.device == b.device)) return;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
+  const bool overlap = a0 < b0 + uintptr_t(b.nbytes()) && b0 < a0 + uintptr_t(a.nbytes());
+  GRADCOMP_CHECK(!overlap, InvalidArgument, call, ": ", an, " (", a.nbytes(), " bytes at ", a.data, ") and ", bn, " (",
+                 b.nbytes(), " bytes at ", b.data, ") overlap; they must be separate buffers");
+}
+
 } // namespace
 
 void Codec::encode(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
@@ -146,6 +156,14 @@ void Codec::encode(const Tensor& x, const Tensor* residual, const Tensor& packet
                  ") = ", ws);
   GRADCOMP_CHECK(aligned16(workspace.data), InvalidArgument, call, ": workspace address ", workspace.data,
                  " is not 16-byte aligned");
+  check_disjoint(x, "x", packet, "packet", call);
+  check_disjoint(x, "x", workspace, "workspace", call);
+  check_disjoint(packet, "packet", workspace, "workspace", call);
+  if (residual) {
+    check_disjoint(*residual, "residual", x, "x", call);
+    check_disjoint(*residual, "residual", packet, "packet", call);
+    check_disjoint(*residual, "residual", workspace, "workspace", call);
+  }
   encode_impl(x, residual, packet, workspace, stream, divisor);
 }
 
@@ -171,6 +189,9 @@ void Codec::decode(const Tensor& packet, const Tensor& out, const Tensor& worksp
                  " bytes, less than the ", kHeaderBytes, "-byte header");
   GRADCOMP_CHECK(aligned16(packet.data), InvalidArgument, call, ": packet address ", packet.data,
                  " is not 16-byte aligned");
+  check_disjoint(packet, "packet", out, "out", call);
+  check_disjoint(packet, "packet", workspace, "workspace", call);
+  check_disjoint(out, "out", workspace, "workspace", call);
   decode_impl(packet, out, workspace, mode, alpha, stream);
 }
 
@@ -199,8 +220,12 @@ using detail::CastPlan;
 using detail::HeaderExpect;
 using detail::TopKPlan;
 
+// Element counts stay below 2^56 so that every byte count fits an int64.
+constexpr int64_t kMaxNumel = int64_t(1) << 56;
+
 void check_numel_dtype(int64_t numel, DType dtype, const char* call) {
-  GRADCOMP_CHECK(numel >= 0, InvalidArgument, call, ": numel ", numel, " < 0");
+  GRADCOMP_CHECK(numel >= 0 && numel < kMaxNumel, InvalidArgument, call, ": numel ", numel,
+                 " is out of range; accepted: 0 <= numel < 2^56");
   GRADCOMP_CHECK(is_gradient_dtype(dtype), InvalidArgument, call, ": dtype ", dtype_name(dtype),
                  " is not accepted; accepted: float32, float16, bfloat16");
 }
@@ -363,6 +388,7 @@ class TopKCodec final : public Codec {
 
   //! k = min(n, max(1, ceil(ratio * n))) in binary64, or min(k=, n).
   int64_t main_param(int64_t n) const override {
+    check_numel_dtype(n, DType::float32, "main_param");
     if (has_k_) return std::min(k_, n);
     const double k = std::ceil(ratio_ * static_cast<double>(n));
     return std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(k)));

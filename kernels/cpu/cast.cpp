@@ -24,10 +24,13 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
     if constexpr (HasRes) xp = xp + r[i];
     const float y = Div1 ? xp : xp / div;
     const auto c = W::store(y);
-    const float d = W::load(c);
     out[i] = c;
-    if constexpr (HasRes) r[i] = Div1 ? xp - d : xp - div * d;
-    flag |= static_cast<uint32_t>(!is_finite_bits(float_bits(y)) | !is_finite_bits(float_bits(d)));
+    if constexpr (HasRes) {
+      const float d = W::load(c);
+      r[i] = Div1 ? xp - d : xp - div * d;
+    }
+    // the casts keep inf and NaN, so the code is non-finite iff y was or the cast overflowed
+    flag |= static_cast<uint32_t>(W::nonfinite(c));
   }
   return flag;
 }

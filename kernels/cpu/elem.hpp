@@ -15,18 +15,21 @@ struct F32 {
   static constexpr DType dtype = DType::float32;
   static float load(float v) { return v; }
   static float store(float v) { return v; }
+  static bool nonfinite(float v) { return !common::is_finite_bits(common::float_bits(v)); }
 };
 struct F16 {
   using storage = uint16_t;
   static constexpr DType dtype = DType::float16;
   static float load(uint16_t v) { return common::half_bits_to_float(v); }
   static uint16_t store(float v) { return common::float_to_half_bits(v); }
+  static bool nonfinite(uint16_t v) { return (v & 0x7C00u) == 0x7C00u; }
 };
 struct BF16 {
   using storage = uint16_t;
   static constexpr DType dtype = DType::bfloat16;
   static float load(uint16_t v) { return common::bf16_bits_to_float(v); }
   static uint16_t store(float v) { return common::float_to_bf16_bits(v); }
+  static bool nonfinite(uint16_t v) { return (v & 0x7F80u) == 0x7F80u; }
 };
 
 //! Call f(Tag{}) with the tag type of a gradient dtype (float32/float16/bfloat16).

@@ -20,7 +20,7 @@ pytest.importorskip("tqdm")
 def test_experiment_end_to_end(tmp_path):
     out = tmp_path / "res"
     cmd = [sys.executable, "-m", "gradcomp.experiments", "--workers", "2", "--seeds", "1",
-           "--epochs", "2", "--codecs", "none,topk:ratio=0.01", "--ef", "on", "--out", str(out),
+           "--epochs", "2", "--codecs", "none;topk:ratio=0.01", "--ef", "on", "--out", str(out),
            "--no-progress"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert p.returncode == 0, p.stderr[-4000:]

@@ -9,6 +9,9 @@ of the input (torch tensors on the input's device, numpy arrays on the CPU).
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -44,8 +47,53 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def check_tensor(t: Any, what: str) -> None:
+    """Reject what DLPack would export wrongly or not at all, with gradcomp's error type:
+    torch tensors with the negative or conjugate bit set (the bit does not travel through DLPack),
+    that require grad, or that live on a device other than CPU/CUDA."""
+    if _is_torch(t):
+        if t.device.type not in ("cpu", "cuda"):
+            raise _C.InvalidArgumentError(f"{what}: tensor on device {t.device}; accepted: cpu, cuda")
+        if t.requires_grad:
+            raise _C.InvalidArgumentError(f"{what}: tensor requires grad; pass {what}.detach()")
+        if t.is_neg() or t.is_conj():
+            raise _C.InvalidArgumentError(
+                f"{what}: tensor has its negative/conjugate bit set, which DLPack cannot carry; "
+                f"pass {what}.resolve_neg() / .resolve_conj()"
+            )
+    elif not isinstance(t, np.ndarray) and not hasattr(t, "__dlpack__"):
+        raise _C.InvalidArgumentError(
+            f"{what}: expected a torch.Tensor, numpy.ndarray or DLPack tensor, got {type(t).__name__}"
+        )
+
+
+def _number(v: Any, what: str) -> float:
+    """A finite float32 scale factor; raises InvalidArgumentError naming v otherwise."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        raise _C.InvalidArgumentError(f"{what}={v!r} is not a number")
+    f = float(v)
+    with np.errstate(over="ignore"):
+        f32 = float(np.float32(f)) if math.isfinite(f) else f
+    if not math.isfinite(f32) or (f != 0 and abs(f32) < float(np.finfo(np.float32).tiny)):
+        raise _C.InvalidArgumentError(
+            f"{what}={v!r} is not a finite normal float32 value (accepted: {np.finfo(np.float32).tiny:g} "
+            f"<= |{what}| <= {np.finfo(np.float32).max:g})"
+        )
+    return f32
+
+
+def _count(v: Any, what: str) -> int:
+    """An element count: a non-negative integer below 2^56."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise _C.InvalidArgumentError(f"{what}={v!r} is not an integer")
+    if not 0 <= int(v) < (1 << 56):
+        raise _C.InvalidArgumentError(f"{what}={v} is out of range; accepted: 0 <= {what} < 2^56")
+    return int(v)
+
+
 def _numel_dtype(x: Any) -> tuple[int, str]:
     if _is_torch(x):
+        check_tensor(x, "x")
         return x.numel(), _dtype_name(x.dtype)
     if isinstance(x, np.ndarray):
         return x.size, x.dtype.name
@@ -97,8 +145,12 @@ class Codec:
     """
 
     def __init__(self, spec: str):
+        if not isinstance(spec, str):
+            raise _C.InvalidArgumentError(f"codec spec must be a str such as 'topk:ratio=0.01', got {spec!r}")
         self._c = _C.Codec(spec)
-        self._workspaces: dict[str, Any] = {}
+        # Workspaces are per thread and device: encode/decode release the GIL, and two threads
+        # must never share scratch space.
+        self._local = threading.local()
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -113,33 +165,36 @@ class Codec:
 
     def packet_bytes(self, numel: int, dtype: Any = "float32") -> int:
         """Exact packet size in bytes (a multiple of 16) for ``numel`` elements of ``dtype``."""
-        return self._c.packet_bytes(int(numel), _dtype_name(dtype))
+        return self._c.packet_bytes(_count(numel, "numel"), _dtype_name(dtype))
 
     def payload(self, numel: int, dtype: Any = "float32") -> Optional[tuple[int, int, str]]:
         """For linear codecs, ``(byte_offset, count, wire_dtype)`` of the summable part of the
         packet (count = numel + 1: the last element is the non-finite sentinel); else None."""
-        return self._c.payload(int(numel), _dtype_name(dtype))
+        return self._c.payload(_count(numel, "numel"), _dtype_name(dtype))
 
     def main_param(self, numel: int) -> int:
         """The codec's main parameter for ``numel`` elements (k for top-k, 0 for casts)."""
-        return self._c.main_param(int(numel))
+        return self._c.main_param(_count(numel, "numel"))
 
     def __repr__(self) -> str:
         return f"gradcomp.Codec({self.spec!r})"
 
     # -- workspaces ----------------------------------------------------------------------------
     def workspace(self, like: Any, numel: int = 0, dtype: Any = "float32"):
-        """The cached workspace for like's device, grown to fit (numel, dtype). Its first 16
-        bytes hold the status word that ``gradcomp.check`` reads."""
+        """The workspace this thread uses on like's device, grown to fit (numel, dtype). Its first
+        16 bytes hold the status word that ``gradcomp.check`` reads; pass it to
+        ``gradcomp.check(codec.workspace(t))`` after a decode."""
         cuda = _is_torch(like) and like.is_cuda
-        need = self._c.workspace_bytes(int(numel), _dtype_name(dtype), cuda)
+        need = self._c.workspace_bytes(_count(numel, "numel"), _dtype_name(dtype), cuda)
         key = _device_key(like)
-        ws = self._workspaces.get(key)
+        if not hasattr(self._local, "ws"):
+            self._local.ws = {}
+        ws = self._local.ws.get(key)
         size = (ws.numel() if _is_torch(ws) else ws.size) if ws is not None else -1
         if size < need:
             ws = _empty_bytes(like, max(need, 16))
             ws[:16] = 0
-            self._workspaces[key] = ws
+            self._local.ws[key] = ws
         return ws
 
     # -- encode / decode -----------------------------------------------------------------------
@@ -170,12 +225,18 @@ class Codec:
             raise _C.InvalidArgumentError(
                 f"encode: x has dtype {dtype}; accepted: float32, float16, bfloat16"
             )
+        divisor = _number(divisor, "divisor")
+        if divisor <= 0:
+            raise _C.InvalidArgumentError(f"encode: divisor={divisor!r} must be > 0")
+        for t, what in ((residual, "residual"), (out, "out"), (workspace, "workspace")):
+            if t is not None:
+                check_tensor(t, what)
         if out is None:
             out = _empty_bytes(x, self.packet_bytes(numel, dtype))
         if workspace is None:
             workspace = self.workspace(x, numel, dtype)
         xv, xo = _numpy_view(x)
-        self._c.encode(xv, residual, out, workspace, float(divisor), _stream_of(x), xo)
+        self._c.encode(xv, residual, out, workspace, divisor, _stream_of(x), xo)
         return out
 
     def decode(self, packet: Any, out: Any = None, numel: Optional[int] = None,
@@ -200,9 +261,18 @@ class Codec:
                 carries an index out of range, out of order or repeated; nothing is written.
             InvalidArgumentError: bad arguments, e.g. out=None without numel.
         """
+        alpha = _number(alpha, "alpha") if alpha != 0 else 0.0
+        check_tensor(packet, "packet")
+        for t, what in ((out, "out"), (workspace, "workspace")):
+            if t is not None:
+                check_tensor(t, what)
         if out is None:
             if numel is None:
                 raise _C.InvalidArgumentError("decode: out=None needs numel= (the packet's element count)")
+            numel = _count(numel, "numel")
+            hdr = _header_numel(packet)
+            if hdr is not None and hdr != numel:
+                raise _C.CorruptPacketError(f"decode: packet header says numel {hdr} but numel={numel} was given")
             name = _dtype_name(dtype)
             if name not in _GRADIENT_DTYPES:
                 raise _C.InvalidArgumentError(
@@ -221,8 +291,22 @@ class Codec:
         if workspace is None:
             workspace = self.workspace(packet)
         ov, oo = _numpy_view(out)
-        self._c.decode(packet, ov, workspace, bool(accumulate), float(alpha), _stream_of(packet), oo)
+        self._c.decode(packet, ov, workspace, bool(accumulate), alpha, _stream_of(packet), oo)
         return out
+
+
+def _header_numel(packet: Any) -> Optional[int]:
+    """numel from a CPU packet's header (bytes 16-23), or None (CUDA packets are not read on the
+    host; short packets are left to the core's validation)."""
+    if _is_torch(packet):
+        if packet.is_cuda or packet.numel() * packet.element_size() < 32:
+            return None
+        raw = packet.reshape(-1).view(_torch().uint8)[16:24].numpy().tobytes() if packet.is_contiguous() else None
+    elif isinstance(packet, np.ndarray) and packet.nbytes >= 32 and packet.flags.c_contiguous:
+        raw = packet.reshape(-1).view(np.uint8)[16:24].tobytes()
+    else:
+        return None
+    return int.from_bytes(raw, "little") if raw is not None else None
 
 
 def check(workspace: Any, stream: Any = None, clear: bool = True) -> int:

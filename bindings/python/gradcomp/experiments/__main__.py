@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from ..codec import Codec
+
 DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001"]
 
 CSV_COLUMNS = ["codec", "error_feedback", "seed", "test_accuracy", "final_loss", "packet_ratio",
@@ -44,8 +46,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                 description="Accuracy versus compression ratio on scikit-learn digits "
                                             "with real DDP processes (gloo, CPU).")
     p.add_argument("--workers", type=int, default=4, help="DDP processes (default 4)")
-    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
-                   help="comma-separated codec specs (default: %(default)s)")
+    p.add_argument("--codecs", default=";".join(DEFAULT_CODECS),
+                   help="codec specs separated by ';' (a spec itself may hold commas, e.g. "
+                        "'topk:k=50,value_dtype=float16'; default: %(default)s)")
     p.add_argument("--ef", choices=["both", "on", "off"], default="both",
                    help="error feedback: both (default), on, off")
     p.add_argument("--seeds", type=int, default=3, help="seeds per setting, 0..N-1 (default 3)")
@@ -63,9 +66,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.workers < 1 or a.seeds < 1 or a.epochs < 1 or a.batch_size < 1 or a.hidden < 1:
         p.error("--workers, --seeds, --epochs, --batch-size and --hidden must be >= 1")
-    a.codec_list = [c.strip() for c in a.codecs.split(",") if c.strip()]
+    a.codec_list = [c.strip() for c in a.codecs.split(";") if c.strip()]
     if not a.codec_list:
         p.error("--codecs is empty")
+    for spec in a.codec_list:
+        try:
+            Codec(spec)
+        except ValueError as e:
+            p.error(f"--codecs: {e}")
     return a
 
 

@@ -144,8 +144,14 @@ class CompressionState:
             raise ValueError(f"scheme={scheme!r}; accepted: {', '.join(_SCHEMES)}")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite={nonfinite!r}; accepted: {', '.join(_NONFINITE)}")
-        if start_iter < 0 or min_compress_numel < 0:
-            raise ValueError(f"start_iter={start_iter} and min_compress_numel={min_compress_numel} must be >= 0")
+        for name, v in (("start_iter", start_iter), ("min_compress_numel", min_compress_numel),
+                        ("log_every", log_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}={v!r}; accepted: an integer >= 0")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback={error_feedback!r}; accepted: True or False")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group={process_group!r}; accepted: None or a torch.distributed.ProcessGroup")
         self.codec = codec if isinstance(codec, Codec) else Codec(str(codec))
         self.linear = bool(self.codec.properties["linear"])
         if scheme == "sum" and not self.linear:

@@ -38,32 +38,50 @@ GRADCOMP_HD float bits_float(uint32_t u) {
 // Fixed binary32 round-to-nearest arithmetic (DESIGN.md section 2). On the device the _rn
 // intrinsics are never contracted into FMA; on the host the library is built with
 // -ffp-contract=off and without fast-math.
-GRADCOMP_HD float add_rn(float a, float b) {
+//
+// NaN results follow one rule on both backends, so that packets and residuals are byte-identical
+// (the GPU alone would return the canonical NaN 0x7FFFFFFF, x86 the first NaN operand, and the
+// compiler may swap the operands of a commutative operation): the result is the first operand
+// if it is a NaN, else the second if it is a NaN, quieted (bit 22 set) with sign and payload kept;
+// an invalid operation on non-NaN operands (inf - inf, 0 * inf, 0 / 0, inf / inf) gives
+// 0xFFC00000. This is the x86 SSE rule, so numpy on x86 computes the same bits.
+GRADCOMP_HD bool is_nan_bits(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u; }
+GRADCOMP_HD float nan_rule(float r, float a, float b) {
+  const uint32_t ua = float_bits(a), ub = float_bits(b);
+  const uint32_t q = is_nan_bits(ua) ? (ua | 0x400000u) : is_nan_bits(ub) ? (ub | 0x400000u) : 0xFFC00000u;
+  return is_nan_bits(float_bits(r)) ? bits_float(q) : r;
+}
+
+// Raw operations: whatever NaN the hardware gives (for values whose NaN result is discarded).
+GRADCOMP_HD float add_raw(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(a, b);
 #else
   return a + b;
 #endif
 }
-GRADCOMP_HD float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-GRADCOMP_HD float mul_rn(float a, float b) {
+GRADCOMP_HD float mul_raw(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
+
+GRADCOMP_HD float add_rn(float a, float b) { return nan_rule(add_raw(a, b), a, b); }
+GRADCOMP_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return nan_rule(__fsub_rn(a, b), a, b);
+#else
+  return nan_rule(a - b, a, b);
+#endif
+}
+GRADCOMP_HD float mul_rn(float a, float b) { return nan_rule(mul_raw(a, b), a, b); }
 GRADCOMP_HD float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
+  return nan_rule(__fdiv_rn(a, b), a, b);
 #else
-  return a / b;
+  return nan_rule(a / b, a, b);
 #endif
 }
 
@@ -82,7 +100,7 @@ GRADCOMP_HD uint16_t float_to_half_bits(float f) {
   // subnormal range (|x| < 2^-14): adding 0.5 aligns the value to multiples of 2^-24 and the
   // float addition rounds to nearest even; the low bits are then the half mantissa (0x400 when
   // it rounds up into the smallest normal, which is the right encoding too).
-  const uint32_t sub = float_bits(add_rn(bits_float(a), 0.5f)) - 0x3F000000u;
+  const uint32_t sub = float_bits(add_raw(bits_float(a), 0.5f)) - 0x3F000000u;
   uint32_t h = a < 0x38800000u ? sub : normal;
   h = a >= 0x477FF000u ? 0x7C00u : h;
   h = a > 0x7F800000u ? 0x7E00u : h;
@@ -96,7 +114,7 @@ GRADCOMP_HD float half_bits_to_float(uint16_t h) {
   const uint32_t normal = ((e + 112u) << 23) | (m << 13);
   const uint32_t special = 0x7F800000u | (m << 13);
   // subnormal: m * 2^-24, exact in binary32
-  const uint32_t sub = float_bits(mul_rn(static_cast<float>(m), 5.9604644775390625e-8f));
+  const uint32_t sub = float_bits(mul_raw(static_cast<float>(m), 5.9604644775390625e-8f));
   uint32_t r = e == 0 ? sub : normal;
   r = e == 0x1Fu ? special : r;
   return bits_float(sign | r);

@@ -10,8 +10,12 @@
 namespace gradcomp::detail::cpu {
 namespace {
 
+using common::add_rn;
+using common::div_rn;
 using common::float_bits;
 using common::is_finite_bits;
+using common::mul_rn;
+using common::sub_rn;
 
 template <class In, class W, bool HasRes, bool Div1>
 uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict r, typename W::storage* __restrict out,
@@ -21,13 +25,13 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
 #pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
   for (int64_t i = 0; i < n; ++i) {
     float xp = In::load(x[i]);
-    if constexpr (HasRes) xp = xp + r[i];
-    const float y = Div1 ? xp : xp / div;
+    if constexpr (HasRes) xp = add_rn(xp, r[i]);
+    const float y = Div1 ? xp : div_rn(xp, div);
     const auto c = W::store(y);
     out[i] = c;
     if constexpr (HasRes) {
       const float d = W::load(c);
-      r[i] = Div1 ? xp - d : xp - div * d;
+      r[i] = Div1 ? sub_rn(xp, d) : sub_rn(xp, mul_rn(div, d));
     }
     // the casts keep inf and NaN, so the code is non-finite iff y was or the cast overflowed
     flag |= static_cast<uint32_t>(W::nonfinite(c));
@@ -41,10 +45,10 @@ void decode_loop(const typename W::storage* __restrict in, typename O::storage* 
   const int T = threads_for(n);
   if (accumulate) {
 #pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = O::store(O::load(out[i]) + W::load(in[i]) * alpha);
+    for (int64_t i = 0; i < n; ++i) out[i] = O::store(add_rn(O::load(out[i]), mul_rn(W::load(in[i]), alpha)));
   } else {
 #pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = O::store(W::load(in[i]) * alpha);
+    for (int64_t i = 0; i < n; ++i) out[i] = O::store(mul_rn(W::load(in[i]), alpha));
   }
 }
 

@@ -45,7 +45,11 @@ namespace gradcomp::detail::cpu {
 namespace {
 
 using common::abs_key;
+using common::add_rn;
 using common::bits_float;
+using common::div_rn;
+using common::mul_rn;
+using common::sub_rn;
 using common::float_bits;
 using common::is_finite_bits;
 constexpr int kB = common::kRadixBuckets;
@@ -80,25 +84,25 @@ struct Source {
   float first(int64_t i) const {
     float xp = In::load(x[i]);
     if constexpr (HasRes) {
-      xp = xp + r[i];
+      xp = add_rn(xp, r[i]);
       r[i] = xp;
     }
-    return Div1 ? xp : xp / div;
+    return Div1 ? xp : div_rn(xp, div);
   }
   float xprime(int64_t i) const {
     if constexpr (HasRes) return r[i];
     else return In::load(x[i]);
   }
-  float again(int64_t i) const { return Div1 ? xprime(i) : xprime(i) / div; }
+  float again(int64_t i) const { return Div1 ? xprime(i) : div_rn(xprime(i), div); }
   // y without touching the residual (for sampling before the first pass).
   float peek(int64_t i) const {
     float xp = In::load(x[i]);
-    if constexpr (HasRes) xp = xp + r[i];
-    return Div1 ? xp : xp / div;
+    if constexpr (HasRes) xp = add_rn(xp, r[i]);
+    return Div1 ? xp : div_rn(xp, div);
   }
   // r_new of a sent element whose decoded value is d (x' is in r since the first touch).
   void settle(int64_t i, float d) const {
-    if constexpr (HasRes) r[i] = Div1 ? r[i] - d : r[i] - div * d;
+    if constexpr (HasRes) r[i] = Div1 ? sub_rn(r[i], d) : sub_rn(r[i], mul_rn(div, d));
   }
 };
 
@@ -525,9 +529,9 @@ void topk_decode_t(const TopKPlan& p, const uint8_t* packet, const Tensor& out, 
     const int T = threads_for(n);
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int64_t i = 0; i < n; ++i) o[i] = zero;
-    for (int64_t j = 0; j < k; ++j) o[idx[j]] = O::store(V::load(val[j]) * alpha);
+    for (int64_t j = 0; j < k; ++j) o[idx[j]] = O::store(mul_rn(V::load(val[j]), alpha));
   } else {
-    for (int64_t j = 0; j < k; ++j) o[idx[j]] = O::store(O::load(o[idx[j]]) + V::load(val[j]) * alpha);
+    for (int64_t j = 0; j < k; ++j) o[idx[j]] = O::store(add_rn(O::load(o[idx[j]]), mul_rn(V::load(val[j]), alpha)));
   }
   PacketHeader h;
   std::memcpy(&h, packet, sizeof h);

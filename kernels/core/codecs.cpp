@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Codec registry, the built-in codecs' parameters and packet layouts, and the validation that every
 // encode/decode goes through before a backend runs.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -97,6 +98,9 @@ namespace {
 
 void check_tensor_basics(const Tensor& t, const char* what, const char* call) {
   GRADCOMP_CHECK(t.numel >= 0, InvalidArgument, call, ": ", what, " has numel ", t.numel, " < 0");
+  GRADCOMP_CHECK(reinterpret_cast<uintptr_t>(t.data) % uintptr_t(std::max<int64_t>(1, dtype_size(t.dtype))) == 0,
+                 InvalidArgument, call, ": ", what, " address ", t.data, " is not aligned to its ",
+                 dtype_size(t.dtype), "-byte ", dtype_name(t.dtype), " elements");
   GRADCOMP_CHECK(t.numel == 0 || t.data != nullptr, InvalidArgument, call, ": ", what, " has numel ", t.numel,
                  " but a null data pointer");
 #if !defined(GRADCOMP_WITH_CUDA)
@@ -181,6 +185,8 @@ void Codec::decode(const Tensor& packet, const Tensor& out, const Tensor& worksp
     check_same_device(out, "out", workspace, "workspace", call);
     GRADCOMP_CHECK(workspace.nbytes() >= kStatusBytes, InvalidArgument, call, ": workspace holds ",
                    workspace.nbytes(), " bytes; decode needs at least ", kStatusBytes, " (the status word)");
+    GRADCOMP_CHECK(aligned16(workspace.data), InvalidArgument, call, ": workspace address ", workspace.data,
+                   " is not 16-byte aligned");
   } else {
     GRADCOMP_CHECK(out.device.kind == DeviceKind::cpu, InvalidArgument, call,
                    ": decoding on CUDA needs a workspace (the status word lives there)");

@@ -95,3 +95,17 @@ TEST(Guards, HugeElementCountsRaise) {
   }
   EXPECT_THROW((void)Codec::create("topk:ratio=1")->main_param(INT64_MAX), InvalidArgument);
 }
+
+TEST(Guards, MisalignedElementsAndWorkspaceRaise) {
+  auto c = Codec::create("fp16");
+  const int64_t n = 16;
+  Arena a(1024);
+  const int64_t pb = c->packet_bytes(n, DType::float32);
+  // float32 x starting 2 bytes into the arena: not aligned to its 4-byte elements
+  std::string m = message_of([&] { c->encode(a.view(2, DType::float32, n), nullptr, a.view(256, DType::uint8, pb), a.view(512, DType::uint8, 16)); });
+  EXPECT_NE(m.find("not aligned"), std::string::npos) << m;
+  c->encode(a.view(0, DType::float32, n), nullptr, a.view(256, DType::uint8, pb), a.view(512, DType::uint8, 16));
+  // decode with a workspace that is not 16-byte aligned
+  m = message_of([&] { c->decode(a.view(256, DType::uint8, pb), a.view(0, DType::float32, n), a.view(520, DType::uint8, 16)); });
+  EXPECT_NE(m.find("workspace address"), std::string::npos) << m;
+}

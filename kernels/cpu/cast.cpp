@@ -1,8 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU backend of the cast codecs none / fp16 / bf16 (DESIGN.md section 3): round-to-nearest-even
 // casts with error feedback fused into the same pass, and decode (assign / accumulate, alpha).
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define GRADCOMP_CPU_F16_HW 1
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own undefined-vector idiom.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include "../core/backend.hpp"
 #include "elem.hpp"
@@ -17,9 +26,70 @@ using common::is_finite_bits;
 using common::mul_rn;
 using common::sub_rn;
 
+#if defined(GRADCOMP_CPU_F16_HW)
+// float32 -> float16 of y[0, n) with the hardware convert (round to nearest even; overflow to inf;
+// exact for every input, as common::float_to_half_bits, which the scalar tail uses), NaN replaced by
+// the canonical 0x7E00 with its sign. Returns 1 when a code is non-finite.
+uint32_t f16_block(const float* y, uint16_t* out, int64_t n) {
+  __mmask16 nf = 0;
+  int64_t j = 0;
+  const __m512i sign = _mm512_set1_epi32(0x8000), qnan = _mm512_set1_epi32(0x7E00);
+  const __m256i expo = _mm256_set1_epi16(0x7C00);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(y + j);
+    __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i canon = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), sign), qnan);
+    h = _mm256_mask_blend_epi16(isnan, h, _mm512_cvtepi32_epi16(canon));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), h);
+    nf |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, expo), expo);
+  }
+  uint32_t flag = nf != 0;
+  for (; j < n; ++j) {
+    out[j] = common::float_to_half_bits(y[j]);
+    flag |= F16::nonfinite(out[j]);
+  }
+  return flag;
+}
+
+// The float16 wire with the hardware convert: y in blocks (auto-vectorized), the convert, then the
+// residual from the codes, with exactly the expressions of the generic loop below.
+template <class In, bool HasRes, bool Div1>
+uint32_t encode_f16_hw(const typename In::storage* __restrict x, float* __restrict r, uint16_t* __restrict out,
+                       int64_t n, float div) {
+  constexpr int64_t kBlock = 2048;
+  uint32_t flag = 0;
+  const int T = threads_for(n);
+#pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    alignas(64) float xp[kBlock], y[kBlock];
+    for (int64_t j = 0; j < len; ++j) {
+      float v = In::load(x[b + j]);
+      if constexpr (HasRes) v = add_rn(v, r[b + j]);
+      xp[j] = v;
+      y[j] = Div1 ? v : div_rn(v, div);
+    }
+    flag |= f16_block(y, out + b, len);
+    if constexpr (HasRes) {
+      alignas(64) float d[kBlock];
+      int64_t j = 0;
+      for (; j + 16 <= len; j += 16)  // exact widening (codes are canonical, NaNs included)
+        _mm512_store_ps(d + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + b + j))));
+      for (; j < len; ++j) d[j] = F16::load(out[b + j]);
+      for (j = 0; j < len; ++j) r[b + j] = Div1 ? sub_rn(xp[j], d[j]) : sub_rn(xp[j], mul_rn(div, d[j]));
+    }
+  }
+  return flag;
+}
+#endif
+
 template <class In, class W, bool HasRes, bool Div1>
 uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict r, typename W::storage* __restrict out,
                      int64_t n, float div) {
+#if defined(GRADCOMP_CPU_F16_HW)
+  if constexpr (std::is_same_v<W, F16>) return encode_f16_hw<In, HasRes, Div1>(x, r, out, n, div);
+#endif
   uint32_t flag = 0;
   const int T = threads_for(n);
 #pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)

@@ -52,33 +52,20 @@ uint32_t f16_block(const float* y, uint16_t* out, int64_t n) {
   return flag;
 }
 
-// The float16 wire with the hardware convert: y in blocks (auto-vectorized), the convert, then the
-// residual from the codes, with exactly the expressions of the generic loop below.
-template <class In, bool HasRes, bool Div1>
-uint32_t encode_f16_hw(const typename In::storage* __restrict x, float* __restrict r, uint16_t* __restrict out,
-                       int64_t n, float div) {
+// The float16 wire with the hardware convert, without a residual: y in blocks (auto-vectorized),
+// then the convert. (With a residual the fused generic loop below is faster: it needs the decoded
+// value of every code anyway.)
+template <class In, bool Div1>
+uint32_t encode_f16_hw(const typename In::storage* __restrict x, uint16_t* __restrict out, int64_t n, float div) {
   constexpr int64_t kBlock = 2048;
   uint32_t flag = 0;
   const int T = threads_for(n);
 #pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
-    alignas(64) float xp[kBlock], y[kBlock];
-    for (int64_t j = 0; j < len; ++j) {
-      float v = In::load(x[b + j]);
-      if constexpr (HasRes) v = add_rn(v, r[b + j]);
-      xp[j] = v;
-      y[j] = Div1 ? v : div_rn(v, div);
-    }
+    alignas(64) float y[kBlock];
+    for (int64_t j = 0; j < len; ++j) y[j] = Div1 ? In::load(x[b + j]) : div_rn(In::load(x[b + j]), div);
     flag |= f16_block(y, out + b, len);
-    if constexpr (HasRes) {
-      alignas(64) float d[kBlock];
-      int64_t j = 0;
-      for (; j + 16 <= len; j += 16)  // exact widening (codes are canonical, NaNs included)
-        _mm512_store_ps(d + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + b + j))));
-      for (; j < len; ++j) d[j] = F16::load(out[b + j]);
-      for (j = 0; j < len; ++j) r[b + j] = Div1 ? sub_rn(xp[j], d[j]) : sub_rn(xp[j], mul_rn(div, d[j]));
-    }
   }
   return flag;
 }
@@ -88,7 +75,7 @@ template <class In, class W, bool HasRes, bool Div1>
 uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict r, typename W::storage* __restrict out,
                      int64_t n, float div) {
 #if defined(GRADCOMP_CPU_F16_HW)
-  if constexpr (std::is_same_v<W, F16>) return encode_f16_hw<In, HasRes, Div1>(x, r, out, n, div);
+  if constexpr (std::is_same_v<W, F16> && !HasRes) return encode_f16_hw<In, Div1>(x, out, n, div);
 #endif
   uint32_t flag = 0;
   const int T = threads_for(n);

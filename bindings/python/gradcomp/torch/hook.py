@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..codec import Codec
+from ..codec import Codec, _empty_bytes
 
 log = logging.getLogger("gradcomp")
 
@@ -33,13 +33,6 @@ _SCHEMES = ("auto", "sum", "gather", "dense")
 _NONFINITE = ("restore", "reset")
 _STAT_FIELDS = ("numel", "dense_bytes", "packet_bytes", "sent_bytes", "ring_bytes",
                 "encode_s", "decode_s", "comm_s", "compressed_buckets", "dense_buckets")
-
-
-def _aligned_bytes(nbytes: int, device) -> torch.Tensor:
-    """A 16-byte aligned uint8 tensor of nbytes on device (packets must be 16-byte aligned)."""
-    buf = torch.empty(nbytes + 16, dtype=torch.uint8, device=device)
-    off = (-buf.data_ptr()) % 16
-    return buf[off: off + nbytes]
 
 
 def _wire_dtype(name: str) -> torch.dtype:
@@ -253,10 +246,10 @@ class CompressionState:
     def _ensure_buffers(self, lay: _Layout):
         if lay.packet is None:
             pbytes = self.codec.packet_bytes(lay.numel, lay.dtype)
-            lay.packet = _aligned_bytes(pbytes, lay.device)
+            lay.packet = _empty_bytes(torch.empty(0, device=lay.device), pbytes)  # 16-byte aligned
             lay.dec_codec = Codec(self.codec.spec)  # own workspace: decodes run in callbacks
             if lay.scheme == "gather":
-                lay.gathered = _aligned_bytes(pbytes * self.world_size, lay.device)
+                lay.gathered = _empty_bytes(lay.packet, pbytes * self.world_size)
                 lay.acc = torch.empty(lay.numel, dtype=torch.float32, device=lay.device)
         if self.error_feedback and lay.residual is None:
             lay.residual = torch.zeros(lay.numel, dtype=torch.float32, device=lay.device)

@@ -192,8 +192,11 @@ int64_t filter(const Src& src, int64_t b, int64_t e, uint32_t lo, uint32_t* cy, 
   alignas(64) float yblock[256];
   for (; i + 16 <= e; i += 16) {
     const float* yb;
+    // Software prefetch some 4 KiB ahead: on this loop (a mispredicted branch per hit) the
+    // hardware prefetcher alone leaves the read well below the copy bandwidth.
     if constexpr (Src::direct) {
       yb = reinterpret_cast<const float*>(src.x) + i;
+      _mm_prefetch(reinterpret_cast<const char*>(yb + 1024), _MM_HINT_T0);
     } else {
       const int64_t bo = (i - b) & 255;
       if (bo == 0) {
@@ -201,6 +204,8 @@ int64_t filter(const Src& src, int64_t b, int64_t e, uint32_t lo, uint32_t* cy, 
         for (int64_t j = 0; j < len; ++j) yblock[j] = y_at(i + j);
       }
       yb = yblock + bo;
+      _mm_prefetch(reinterpret_cast<const char*>(src.x + i + 1024), _MM_HINT_T0);
+      if constexpr (Src::has_res) _mm_prefetch(reinterpret_cast<const char*>(src.r + i + 1024), _MM_HINT_T0);
     }
     const __m512i yv = _mm512_loadu_si512(yb);
     // |y| bits >= lo is key >= lo: lo never exceeds the NaN key, so mapping NaNs is not needed

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gradcomp/gradcomp.hpp"
+#include "ref.hpp"
 
 using gradcomp::Codec;
 using gradcomp::DType;
@@ -16,16 +17,8 @@ using gradcomp::Tensor;
 
 namespace {
 
-float f(uint32_t u) {
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
-uint32_t u(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  return b;
-}
+float f(uint32_t bits) { return ref::from_bits(bits); }
+uint32_t u(float v) { return ref::bits(v); }
 
 // Encode one float32 element with a residual through `spec`; return the wire bits and r_new.
 struct One {

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "gradcomp/error.hpp"
 #include "gradcomp/packet.hpp"
@@ -53,10 +54,10 @@ class Codec {
 
   //! Canonical spec: the name, then the non-default keys in a fixed order, numbers in their
   //! shortest round-trip form. create(spec()) yields an equal codec.
-  virtual std::string spec() const = 0;
+  const std::string& spec() const noexcept { return spec_; }
   virtual CodecId id() const noexcept = 0;
   //! FNV-1a of spec(), written into every packet header.
-  uint32_t spec_hash() const { return fnv1a32(spec()); }
+  uint32_t spec_hash() const noexcept { return spec_hash_; }
   virtual CodecProperties properties() const noexcept = 0;
 
   //! Exact packet size in bytes for `numel` elements of `dtype`: a multiple of 16, the same on
@@ -89,11 +90,20 @@ class Codec {
               float alpha = 1.0f, Stream stream = {}) const;
 
  protected:
+  //! Each codec's constructor sets its canonical spec once (spec() and the header hash read it).
+  void set_spec(std::string canonical) {
+    spec_ = std::move(canonical);
+    spec_hash_ = fnv1a32(spec_);
+  }
   // Backend entry points; arguments are already validated by encode()/decode().
   virtual void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
                            Stream stream, float divisor) const = 0;
   virtual void decode_impl(const Tensor& packet, const Tensor& out, const Tensor& workspace, DecodeMode mode,
                            float alpha, Stream stream) const = 0;
+
+ private:
+  std::string spec_;
+  uint32_t spec_hash_ = 0;
 };
 
 //! Read the status word from a workspace (CPU memory directly; CUDA: a synchronizing copy on

@@ -284,9 +284,8 @@ uint32_t* status_ptr(const Tensor& ws) { return ws.data ? static_cast<uint32_t*>
 // ---- none / fp16 / bf16 ------------------------------------------------------------------------
 class CastCodec final : public Codec {
  public:
-  explicit CastCodec(CodecId id) : id_(id) {}
-  std::string spec() const override {
-    return id_ == CodecId::none ? "none" : id_ == CodecId::fp16 ? "fp16" : "bf16";
+  explicit CastCodec(CodecId id) : id_(id) {
+    set_spec(id_ == CodecId::none ? "none" : id_ == CodecId::fp16 ? "fp16" : "bf16");
   }
   CodecId id() const noexcept override { return id_; }
   CodecProperties properties() const noexcept override { return {true, id_ == CodecId::none, true}; }
@@ -381,13 +380,11 @@ class TopKCodec final : public Codec {
         throw InvalidArgument(detail::concat("codec spec '", s.text, "': value_dtype='", it->second,
                                              "' is not accepted; accepted: auto, float32, float16, bfloat16"));
     }
-  }
-  std::string spec() const override {
-    std::string s = has_k_ ? "topk:k=" + std::to_string(k_) : "topk:ratio=" + detail::format_double(ratio_);
-    if (index_ == IndexMode::u32) s += ",index=u32";
-    if (index_ == IndexMode::u64) s += ",index=u64";
-    if (value_ != DType::none) s += ",value_dtype=" + std::string(dtype_name(value_));
-    return s;
+    std::string c = has_k_ ? "topk:k=" + std::to_string(k_) : "topk:ratio=" + detail::format_double(ratio_);
+    if (index_ == IndexMode::u32) c += ",index=u32";
+    if (index_ == IndexMode::u64) c += ",index=u64";
+    if (value_ != DType::none) c += ",value_dtype=" + std::string(dtype_name(value_));
+    set_spec(std::move(c));
   }
   CodecId id() const noexcept override { return CodecId::topk; }
   CodecProperties properties() const noexcept override { return {false, false, true}; }

@@ -1,0 +1,156 @@
+"""The one home of gradcomp's byte formulas and of the ``auto`` scheme choice (DESIGN.md section 5).
+
+Every function here is pure: its result depends only on inputs every rank shares -- element
+counts, dtypes, the world size W, a codec's properties and packet sizes -- never on timings or on
+anything a rank measured, so every rank that asks gets the same answer (which is what lets
+``auto`` choose per bucket without a collective).
+
+Units: ``numel`` and counts are elements; everything named ``*_bytes`` is bytes. Byte counts that
+involve a ring allreduce are floats (2(W-1)/W is not an integer); the others are ints.
+
+Formulas (bytes one rank sends; ring algorithms, as NCCL and gloo use):
+  - ring allreduce of B bytes: 2 (W-1)/W * B (a reduce-scatter and an all-gather, each (W-1)/W * B);
+  - ring all-gather of one P-byte packet per rank: (W-1) * P;
+  - dense: the bucket itself through a ring allreduce;
+  - sum: the codec's payload (``codec.payload``) through a ring allreduce;
+  - gather: the codec's packet through a ring all-gather.
+Ratios (``summarize``): packet_ratio = packet bytes / dense bytes; wire_ratio = bytes sent under
+the scheme / bytes a ring allreduce of the dense bucket sends; bits per element = 8 * packet
+bytes / numel.
+
+Callers: ``gradcomp.torch.Compressor`` (scheme choice, the accounting in ``stats()``) and through it
+the DDP hook and the experiment harness.
+"""
+
+from typing import Any, Dict, Mapping
+
+from .codec import _dtype_name
+
+SCHEMES = ("dense", "sum", "gather")
+"""The schemes the planner can account for (``"auto"`` resolves to one of them)."""
+
+# Bytes per element by dtype name (torch / numpy names). A dtype not listed raises.
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype, numpy dtype or name such as ``"bfloat16"``).
+
+    Raises:
+        ValueError: a dtype the planner has no size for (the list is in the message).
+    """
+    name = _dtype_name(dtype)
+    try:
+        return _DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"planner: no element size for dtype {name}; accepted: {', '.join(_DTYPE_BYTES)}") from None
+
+
+def dense_bytes(numel: int, dtype: Any) -> int:
+    """Bytes of ``numel`` elements of ``dtype``: ``numel * dtype_bytes(dtype)``."""
+    return int(numel) * dtype_bytes(dtype)
+
+
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring allreduce of ``nbytes`` bytes: ``2 (W-1)/W * nbytes``
+    (0.0 for W = 1). Evaluated as ``2.0 * (W - 1) / W * nbytes`` in binary64."""
+    W = int(world_size)
+    return 2.0 * (W - 1) / W * nbytes
+
+
+def all_gather_bytes(packet_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-gather of one ``packet_bytes`` packet per rank:
+    ``(W-1) * packet_bytes``."""
+    return (int(world_size) - 1) * int(packet_bytes)
+
+
+def payload_bytes(codec, numel: int, dtype: Any) -> int:
+    """Bytes of a linear codec's summable payload for ``numel`` elements of ``dtype``:
+    ``count * dtype_bytes(wire dtype)`` from ``codec.payload(numel, dtype)`` (the header does not
+    travel in the ``sum`` scheme).
+
+    Raises:
+        ValueError: the codec is not linear (it has no payload).
+    """
+    pl = codec.payload(numel, dtype)
+    if pl is None:
+        raise ValueError(f"planner: codec {codec.spec} is not linear: it has no summable payload")
+    _, count, wire = pl
+    return int(count) * dtype_bytes(wire)
+
+
+def bucket_bytes(scheme: str, codec, numel: int, dtype: Any, world_size: int) -> Dict[str, float]:
+    """Byte accounting of one bucket of ``numel`` elements of ``dtype`` reduced under ``scheme``.
+
+    Returns ``{"dense_bytes", "packet_bytes", "sent_bytes", "ring_bytes"}``:
+      - ``dense_bytes`` (int): the bucket in its dtype, ``numel * element size``;
+      - ``packet_bytes`` (int): this rank's packet, ``codec.packet_bytes(numel, dtype)``; for
+        ``dense`` the bucket itself (= dense_bytes);
+      - ``sent_bytes`` (float): bytes one rank sends: dense ``ring_allreduce_bytes(dense_bytes)``,
+        sum ``ring_allreduce_bytes(payload_bytes)``, gather ``all_gather_bytes(packet_bytes)``;
+      - ``ring_bytes`` (float): ``ring_allreduce_bytes(dense_bytes)``, the dense reference.
+
+    Raises:
+        ValueError: an unknown scheme, or ``sum`` with a non-linear codec.
+    """
+    dense = dense_bytes(numel, dtype)
+    ring = ring_allreduce_bytes(dense, world_size)
+    if scheme == "dense":
+        return {"dense_bytes": dense, "packet_bytes": dense, "sent_bytes": ring, "ring_bytes": ring}
+    if scheme not in SCHEMES:
+        raise ValueError(f"planner: scheme={scheme!r}; accepted: {', '.join(SCHEMES)}")
+    packet = int(codec.packet_bytes(numel, dtype))
+    if scheme == "sum":
+        sent = ring_allreduce_bytes(payload_bytes(codec, numel, dtype), world_size)
+    else:
+        sent = float(all_gather_bytes(packet, world_size))
+    return {"dense_bytes": dense, "packet_bytes": packet, "sent_bytes": sent, "ring_bytes": ring}
+
+
+def choose_scheme(codec, numel: int, dtype: Any, world_size: int, requested: str = "auto",
+                  min_compress_numel: int = 1024) -> str:
+    """The scheme a bucket of ``numel`` elements of ``dtype`` takes once compression is on.
+
+    Rule, in order:
+      1. ``"dense"`` when ``numel == 0`` or ``numel < min_compress_numel``;
+      2. ``requested`` when it is not ``"auto"``;
+      3. ``"sum"`` for a linear codec (``codec.properties["linear"]``);
+      4. ``"gather"`` when it sends fewer bytes than a dense ring allreduce, approximated as
+         ``W * packet_bytes < 2 * dense_bytes`` (i.e. (W-1) P vs 2 (W-1)/W D, both scaled by
+         W/(W-1)); else ``"dense"``.
+    Inputs are all rank-shared, so every rank chooses alike.
+
+    Raises:
+        ValueError: ``requested`` is not ``"auto"`` or one of ``SCHEMES``.
+    """
+    if requested != "auto" and requested not in SCHEMES:
+        raise ValueError(f"planner: scheme={requested!r}; accepted: auto, {', '.join(SCHEMES)}")
+    if numel < min_compress_numel or numel == 0:
+        return "dense"
+    if requested != "auto":
+        return requested
+    if codec.properties["linear"]:
+        return "sum"
+    packet = codec.packet_bytes(numel, dtype)
+    return "gather" if int(world_size) * packet < 2 * dense_bytes(numel, dtype) else "dense"
+
+
+def summarize(totals: Mapping[str, float]) -> Dict[str, float]:
+    """The three ratios of DESIGN.md section 5 from summed byte counts.
+
+    ``totals`` holds ``numel`` (elements), ``dense_bytes``, ``packet_bytes``, ``sent_bytes`` and
+    ``ring_bytes`` (bytes, summed over any set of buckets and steps). Returns
+    ``{"packet_ratio": packet/dense, "wire_ratio": sent/ring, "bits_per_element": 8 * packet /
+    numel}``, each NaN when its denominator is 0.
+    """
+    def ratio(a, b):
+        return a / b if b else float("nan")
+
+    return {"packet_ratio": ratio(totals["packet_bytes"], totals["dense_bytes"]),
+            "wire_ratio": ratio(totals["sent_bytes"], totals["ring_bytes"]),
+            "bits_per_element": ratio(8.0 * totals["packet_bytes"], totals["numel"])}

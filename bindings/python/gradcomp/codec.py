@@ -117,8 +117,14 @@ def _stream_of(t: Any) -> int:
     return 0
 
 
-def _empty_bytes(like: Any, nbytes: int):
-    """A 16-byte aligned uint8 buffer of nbytes on like's device, with like's framework."""
+def aligned_empty(like: Any, nbytes: int):
+    """An uninitialized 1-D uint8 buffer of ``nbytes`` bytes whose first byte is 16-byte aligned
+    (packets and workspaces must be), allocated with the framework of ``like`` on its device: a
+    torch tensor on ``like.device`` when ``like`` is a torch tensor, else a numpy array (CPU).
+
+    Shape ``(nbytes,)``, dtype uint8; a view into an allocation 16 bytes larger. ``like`` only
+    names the framework and device (its shape and dtype do not matter); ``nbytes`` >= 0.
+    """
     if _is_torch(like):
         torch = _torch()
         buf = torch.empty(nbytes + 16, dtype=torch.uint8, device=like.device)
@@ -192,7 +198,7 @@ class Codec:
         ws = self._local.ws.get(key)
         size = (ws.numel() if _is_torch(ws) else ws.size) if ws is not None else -1
         if size < need:
-            ws = _empty_bytes(like, max(need, 16))
+            ws = aligned_empty(like, max(need, 16))
             ws[:16] = 0
             self._local.ws[key] = ws
         return ws
@@ -232,7 +238,7 @@ class Codec:
             if t is not None:
                 check_tensor(t, what)
         if out is None:
-            out = _empty_bytes(x, self.packet_bytes(numel, dtype))
+            out = aligned_empty(x, self.packet_bytes(numel, dtype))
         if workspace is None:
             workspace = self.workspace(x, numel, dtype)
         xv, xo = _numpy_view(x)

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..codec import Codec, _empty_bytes
+from ..codec import Codec, aligned_empty
 
 log = logging.getLogger("gradcomp")
 
@@ -246,10 +246,10 @@ class CompressionState:
     def _ensure_buffers(self, lay: _Layout):
         if lay.packet is None:
             pbytes = self.codec.packet_bytes(lay.numel, lay.dtype)
-            lay.packet = _empty_bytes(torch.empty(0, device=lay.device), pbytes)  # 16-byte aligned
+            lay.packet = aligned_empty(torch.empty(0, device=lay.device), pbytes)  # 16-byte aligned
             lay.dec_codec = Codec(self.codec.spec)  # own workspace: decodes run in callbacks
             if lay.scheme == "gather":
-                lay.gathered = _empty_bytes(lay.packet, pbytes * self.world_size)
+                lay.gathered = aligned_empty(lay.packet, pbytes * self.world_size)
                 lay.acc = torch.empty(lay.numel, dtype=torch.float32, device=lay.device)
         if self.error_feedback and lay.residual is None:
             lay.residual = torch.zeros(lay.numel, dtype=torch.float32, device=lay.device)

@@ -1,0 +1,58 @@
+"""The ``gather`` scheme: all-gather fixed-size packets, decode all W in rank order.
+
+Top-k with locally kept residuals is Aji & Heafield, "Sparse Communication for Distributed
+Gradient Descent" (EMNLP 2017) and Lin et al., "Deep Gradient Compression" (ICLR 2018); a sparse
+packet cannot be summed on the wire, so every rank receives every packet (DESIGN.md section 5:
+deterministic, no atomics; bytes per rank grow with W)."""
+
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .context import NULL_PROBE, SchemeContext, completed, encode_packet
+
+
+def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
+           probe=None) -> torch.futures.Future:
+    """Average ``tensor`` with any codec: encode ``(g + r) / W`` into ``ctx.packet``,
+    ``all_gather_into_tensor`` the W packets (P bytes each) into ``ctx.gathered``, zero the float32
+    accumulator ``ctx.acc``, decode the packets of ranks 0..W-1 in that order into it with
+    ``accumulate=True`` (out = fl(out + D), float32), and round once into ``tensor``.
+
+    Args:
+        tensor: C-contiguous float32/float16/bfloat16, any shape taken as flat, reduced in place.
+        ctx: a context built for ``"gather"`` (packet, gathered, acc, dec_codec).
+        slots: ``{"residual": float32 flat tensor of numel}`` for error feedback, or None/{}.
+        probe: times ``"encode_s"``, ``"comm_s"``, ``"decode_s"``; sees the decode workspace.
+
+    Returns:
+        A Future holding ``tensor``, bitwise identical on every rank and run to run.
+
+    Raises:
+        gradcomp.InvalidArgumentError: from encode (dtype, size, device).
+        gradcomp.CorruptPacketError: (CPU, in the Future) a gathered packet that fails validation.
+    """
+    W = ctx.world_size
+    if W == 1:
+        return completed(tensor)
+    probe = probe or NULL_PROBE
+    encode_packet(tensor, ctx, slots, probe)
+    t1 = probe.clock()
+    work = dist.all_gather_into_tensor(ctx.gathered, ctx.packet, group=ctx.group, async_op=True)
+
+    def done(f):
+        probe.tock("comm_s", t1)
+        t2 = probe.clock()
+        dec = ctx.dec_codec
+        ws = dec.workspace(ctx.packet)
+        pbytes = ctx.packet.numel()
+        ctx.acc.zero_()
+        for r in range(W):
+            dec.decode(ctx.gathered[r * pbytes: (r + 1) * pbytes], out=ctx.acc, accumulate=True, workspace=ws)
+        tensor.view(-1).copy_(ctx.acc)
+        probe.decoded(ws)
+        probe.tock("decode_s", t2)
+        return tensor
+
+    return work.get_future().then(done)

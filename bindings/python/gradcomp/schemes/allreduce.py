@@ -1,0 +1,86 @@
+"""The two schemes that are one SUM allreduce: ``dense`` (the tensor itself) and ``sum`` (a linear
+codec's payload). Semantics of ``dense`` follow PyTorch's ``allreduce_hook`` and of the fp16 path
+``fp16_compress_hook`` (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``): divide
+by W, then SUM; ``sum`` divides at encode instead, so fp16 does not overflow when |g| > 65504 but
+|g| / W fits."""
+
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..planner import dtype_bytes
+from .context import NULL_PROBE, SchemeContext, completed, encode_packet
+
+
+def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
+          probe=None) -> torch.futures.Future:
+    """Average ``tensor`` uncompressed: ``tensor /= W`` (in its dtype), then one SUM allreduce.
+
+    Args:
+        tensor: any dtype torch.distributed can sum (dense or sparse), reduced in place.
+        ctx: only ``world_size`` and ``group`` are used.
+        slots: unused (dense sends every value; residual flushing is the caller's).
+        probe: times ``"comm_s"`` (launch to completion).
+
+    Returns:
+        A Future holding the reduced tensor (``tensor``, written in place).
+    """
+    W = ctx.world_size
+    if W == 1:
+        return completed(tensor)
+    probe = probe or NULL_PROBE
+    t0 = probe.clock()
+    tensor.div_(W)
+    fut = dist.all_reduce(tensor, group=ctx.group, async_op=True).get_future()
+
+    def done(f):
+        probe.tock("comm_s", t0)
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,  # noqa: A001
+        probe=None) -> torch.futures.Future:
+    """Average ``tensor`` with a linear codec: encode ``(g + r) / W`` into ``ctx.packet``, one SUM
+    allreduce of the payload view ``codec.payload(numel, dtype)`` (the header stays local), decode
+    the summed packet into ``tensor``.
+
+    For none/fp16/bf16 the payload is the numel values (summed in the order a dense allreduce
+    would) plus one wire element (0 or NaN) that keeps a non-finite value visible after the sum.
+
+    Args:
+        tensor: C-contiguous float32/float16/bfloat16, any shape taken as flat, reduced in place.
+        ctx: a context built for ``"sum"`` (packet, dec_codec) of tensor's numel, dtype, device.
+        slots: ``{"residual": float32 flat tensor of numel}`` for error feedback, or None/{}.
+        probe: times ``"encode_s"``, ``"comm_s"``, ``"decode_s"``; sees the decode workspace.
+
+    Returns:
+        A Future holding ``tensor``.
+
+    Raises:
+        gradcomp.InvalidArgumentError: from encode (dtype, size, device).
+        gradcomp.CorruptPacketError: (CPU, in the Future) a summed packet that fails validation.
+    """
+    W = ctx.world_size
+    if W == 1:
+        return completed(tensor)
+    probe = probe or NULL_PROBE
+    encode_packet(tensor, ctx, slots, probe)
+    t1 = probe.clock()
+    off, cnt, wire = ctx.codec.payload(tensor.numel(), tensor.dtype)
+    view = ctx.packet[off: off + cnt * dtype_bytes(wire)].view(getattr(torch, wire))
+    work = dist.all_reduce(view, group=ctx.group, async_op=True)
+
+    def done(f):
+        probe.tock("comm_s", t1)
+        t2 = probe.clock()
+        dec = ctx.dec_codec
+        ws = dec.workspace(ctx.packet)
+        dec.decode(ctx.packet, out=tensor, workspace=ws)
+        probe.decoded(ws)
+        probe.tock("decode_s", t2)
+        return tensor
+
+    return work.get_future().then(done)

@@ -1,0 +1,102 @@
+"""The narrow context a scheme runs in, and the probe interface it reports through.
+
+A scheme sees only a :class:`SchemeContext` (codec, process group, world size and the buffers of
+one bucket layout) and a probe; never the hook or compressor state, so nothing here imports
+upwards (dependency direction: torch -> schemes -> planner -> codec -> _C).
+"""
+
+from typing import Any, Optional
+
+import torch
+
+from ..codec import Codec, aligned_empty
+
+
+class SchemeContext:
+    """Codec, group and per-layout buffers for reducing tensors of one (numel, dtype, device).
+
+    Attributes:
+        codec: the :class:`gradcomp.Codec` that encodes (its workspace is the caller thread's).
+        group: the ``torch.distributed`` process group (None: the default group).
+        world_size: W, the group's size.
+        packet: uint8, ``codec.packet_bytes(numel, dtype)`` bytes, 16-byte aligned, on the
+            layout's device (sum, gather); None for dense.
+        gathered: uint8, W packets back to back, rank r at ``[r * P, (r + 1) * P)`` (gather).
+        acc: float32, numel elements: the gather scheme's accumulator.
+        dec_codec: a second Codec of the same spec with its own workspace, because decodes run in
+            future callbacks, possibly on another thread than the encodes (sum, gather).
+    """
+
+    def __init__(self, codec: Codec, group: Any, world_size: int, packet: Optional[torch.Tensor] = None,
+                 gathered: Optional[torch.Tensor] = None, acc: Optional[torch.Tensor] = None,
+                 dec_codec: Optional[Codec] = None):
+        self.codec = codec
+        self.group = group
+        self.world_size = int(world_size)
+        self.packet = packet
+        self.gathered = gathered
+        self.acc = acc
+        self.dec_codec = dec_codec
+
+    @classmethod
+    def for_layout(cls, scheme: str, codec: Codec, numel: int, dtype: torch.dtype, device: torch.device,
+                   group: Any, world_size: int) -> "SchemeContext":
+        """Allocate what ``scheme`` needs for tensors of ``numel`` elements of ``dtype`` on
+        ``device``: nothing for dense; the packet and the decode codec for sum; also the gathered
+        packets (W * packet bytes) and the float32 accumulator (numel) for gather.
+
+        Raises:
+            ValueError: an unknown scheme.
+        """
+        if scheme == "dense":
+            return cls(codec, group, world_size)
+        if scheme not in ("sum", "gather"):
+            raise ValueError(f"SchemeContext: scheme={scheme!r}; accepted: dense, sum, gather")
+        pbytes = codec.packet_bytes(numel, dtype)
+        packet = aligned_empty(torch.empty(0, device=device), pbytes)
+        ctx = cls(codec, group, world_size, packet=packet, dec_codec=Codec(codec.spec))
+        if scheme == "gather":
+            ctx.gathered = aligned_empty(packet, pbytes * ctx.world_size)
+            ctx.acc = torch.empty(numel, dtype=torch.float32, device=device)
+        return ctx
+
+
+class NullProbe:
+    """The probe interface, doing nothing (what a scheme uses when given ``probe=None``).
+
+    A probe has three methods, called by the schemes in this order per phase:
+      - ``clock()``: a start token (a ``time.perf_counter()`` float, a CUDA event, ...);
+      - ``tock(field, start)``: the phase ``field`` (``"encode_s"``, ``"comm_s"``,
+        ``"decode_s"``) ended; ``start`` is the token from ``clock()``;
+      - ``decoded(workspace)``: the decodes of this call are enqueued on ``workspace`` (uint8, its
+        first 4 bytes the little-endian status word), so a probe may copy the status out.
+    """
+
+    def clock(self):
+        return None
+
+    def tock(self, field: str, start) -> None:
+        pass
+
+    def decoded(self, workspace) -> None:
+        pass
+
+
+NULL_PROBE = NullProbe()
+
+
+def completed(tensor: torch.Tensor) -> torch.futures.Future:
+    """A Future already holding ``tensor`` (what every scheme returns for world size 1)."""
+    fut = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def encode_packet(tensor: torch.Tensor, ctx: SchemeContext, slots, probe) -> None:
+    """Encode ``tensor`` into ``ctx.packet`` with ``divisor=W``, with error feedback through the
+    ``"residual"`` slot when ``slots`` holds one (the packet then carries ``fl((g + r) / W)``
+    compressed and ``r`` becomes ``g + r - W * decode(packet)``); timed as ``"encode_s"``."""
+    residual = slots.get("residual") if slots else None
+    t0 = probe.clock()
+    ctx.codec.encode(tensor, residual=residual, out=ctx.packet, divisor=ctx.world_size)
+    probe.tock("encode_s", t0)

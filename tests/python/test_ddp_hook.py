@@ -119,13 +119,13 @@ def recording(state, ddp_model):
         params = bucket.parameters()
         base = buf.storage_offset()
         offs = [g.storage_offset() - base for g in bucket.gradients()]
-        names = [st._names[id(p)] for p in params]
+        names = [st.param_name(p) for p in params]
         rec = {"step": st.iter, "index": bucket.index(), "names": names, "offsets": offs,
-               "lengths": [p.numel() for p in params], "dtype": str(buf.dtype), "joined": st._joined,
+               "lengths": [p.numel() for p in params], "dtype": str(buf.dtype), "joined": st.joined,
                "buf": buf.detach().float().clone(),
                "res_before": {nm: st.residual(p) for nm, p in zip(names, params)}}
         fut = gt.compression_hook(st, bucket)
-        rec["scheme"] = st._cur.buckets[-1]["scheme"]  # accounted synchronously by the hook
+        rec["scheme"] = st.stats()["buckets"][-1]["scheme"]  # accounted synchronously by the hook
 
         def after(f):
             out = f.value()
@@ -323,8 +323,14 @@ def job_topk_reference(rank, world, dtype_name, ratio, steps):
     for step in range(steps):
         m.zero_grad()
         m(torch.randn(16, 8, generator=g).to(dtype)).float().square().mean().backward()
-        layouts.append(sorted((i, tuple(lay.key[3])) for i, lay in st._layouts.items()))
+        layouts.append([(lay["index"], tuple(lay["params"])) for lay in st.bucket_layouts()])
     assert layouts[0] != layouts[-1], "the bucket layout was expected to be rebuilt"
+    # the public parameter map is the bucket's: names, offsets and lengths of the last step's calls
+    last = {rc["index"]: rc for rc in log if rc["step"] == steps - 1}
+    for lay in st.bucket_layouts():
+        rc = last[lay["index"]]
+        assert lay["params"] == list(zip(rc["names"], rc["offsets"], rc["lengths"])), lay
+        assert (lay["numel"], lay["scheme"]) == (rc["buf"].numel(), "gather"), lay
     checked = check_topk_logs(rank, world, log, ratio)
     assert checked == len({(r["step"], r["index"]) for r in log})
     return checked

@@ -21,7 +21,7 @@ struct PyCodec {
   explicit PyCodec(const std::string& spec) : c(Codec::create(spec)) {}
 
   void encode(py::handle x, py::handle residual, py::handle packet, py::handle workspace, float divisor,
-              intptr_t stream, const std::string& x_dtype_override) {
+              intptr_t stream, const std::string& x_dtype_override, uint64_t seed, uint32_t step, uint32_t bucket) {
     DLOwner ox, or_, op, ow;
     const DType xo = x_dtype_override.empty() ? DType::none : parse_dtype(x_dtype_override);
     Tensor tx = from_dlpack(x, ox, "encode: x", stream, xo);
@@ -32,7 +32,8 @@ struct PyCodec {
     Tensor tw = from_dlpack(workspace, ow, "encode: workspace", stream);
     // byte buffers may come in any dtype; the codec checks byte sizes
     py::gil_scoped_release nogil;
-    c->encode(tx, has_r ? &tr : nullptr, tp, tw, Stream{reinterpret_cast<void*>(stream)}, divisor);
+    c->encode(tx, has_r ? &tr : nullptr, tp, tw, Stream{reinterpret_cast<void*>(stream)}, divisor,
+              EncodeContext{seed, step, bucket});
   }
 
   void decode(py::handle packet, py::handle out, py::handle workspace, bool accumulate, float alpha, intptr_t stream,
@@ -48,6 +49,34 @@ struct PyCodec {
               Stream{reinterpret_cast<void*>(stream)});
   }
 };
+
+py::dict properties_dict(const CodecProperties& p) {
+  py::dict d;
+  d["linear"] = p.linear;
+  d["unbiased"] = p.unbiased;
+  d["deterministic"] = p.deterministic;
+  d["exact_residual"] = p.exact_residual;
+  d["keyed"] = p.keyed;
+  return d;
+}
+
+py::dict layout_dict(const PacketLayout& l) {
+  py::list sections;
+  for (int i = 0; i < l.nsections; ++i) {
+    const PacketSection& s = l.sections[i];
+    sections.append(py::make_tuple(std::string(s.name), s.offset, s.count, std::string(dtype_name(s.dtype))));
+  }
+  py::dict d;
+  d["bytes"] = l.bytes;
+  d["sections"] = sections;
+  d["key_section"] = l.key_section;
+  d["payload_section"] = l.payload_section;
+  d["main_param"] = l.header.main_param;
+  d["main_kind"] = l.main_kind == MainParamKind::exact ? "exact" : "maximum";
+  d["wire_dtype"] = std::string(dtype_name(DType(l.header.wire_dtype)));
+  d["index_dtype"] = std::string(dtype_name(DType(l.header.index_dtype)));
+  return d;
+}
 
 } // namespace
 
@@ -89,21 +118,34 @@ PYBIND11_MODULE(_C, m) {
   m.attr("STATUS_NONFINITE") = kStatusNonFinite;
   m.attr("STATUS_CORRUPT") = kStatusCorrupt;
   m.attr("HEADER_BYTES") = kHeaderBytes;
+  m.attr("KEY_BYTES") = kKeyBytes;
+  m.attr("MAX_THREADS") = kMaxThreads;
+  m.def("list_codecs", []() {
+    py::list out;
+    for (const CodecInfo& i : list_codecs()) {
+      py::dict d;
+      d["name"] = i.name;
+      d["id"] = static_cast<int>(i.id);
+      d["keys"] = i.keys;
+      d["properties"] = properties_dict(i.properties);
+      d["examples"] = i.examples;
+      d["summary"] = i.summary;
+      out.append(d);
+    }
+    return out;
+  });
 
   py::class_<PyCodec>(m, "Codec")
       .def(py::init<const std::string&>(), py::arg("spec"))
       .def_property_readonly("spec", [](const PyCodec& s) { return s.c->spec(); })
       .def_property_readonly("codec_id", [](const PyCodec& s) { return static_cast<int>(s.c->id()); })
       .def_property_readonly("spec_hash", [](const PyCodec& s) { return s.c->spec_hash(); })
-      .def_property_readonly("properties",
-                             [](const PyCodec& s) {
-                               const CodecProperties p = s.c->properties();
-                               py::dict d;
-                               d["linear"] = p.linear;
-                               d["unbiased"] = p.unbiased;
-                               d["deterministic"] = p.deterministic;
-                               return d;
-                             })
+      .def_property_readonly("properties", [](const PyCodec& s) { return properties_dict(s.c->properties()); })
+      .def("layout",
+           [](const PyCodec& s, int64_t numel, const std::string& dtype) {
+             return layout_dict(s.c->layout(numel, parse_dtype(dtype)));
+           },
+           py::arg("numel"), py::arg("dtype"))
       .def("packet_bytes",
            [](const PyCodec& s, int64_t numel, const std::string& dtype) {
              return s.c->packet_bytes(numel, parse_dtype(dtype));
@@ -123,7 +165,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("numel"), py::arg("dtype"))
       .def("main_param", [](const PyCodec& s, int64_t numel) { return s.c->main_param(numel); }, py::arg("numel"))
       .def("encode", &PyCodec::encode, py::arg("x"), py::arg("residual"), py::arg("packet"), py::arg("workspace"),
-           py::arg("divisor") = 1.0f, py::arg("stream") = 0, py::arg("x_dtype") = "")
+           py::arg("divisor") = 1.0f, py::arg("stream") = 0, py::arg("x_dtype") = "", py::arg("seed") = 0,
+           py::arg("step") = 0, py::arg("bucket") = 0)
       .def("decode", &PyCodec::decode, py::arg("packet"), py::arg("out"), py::arg("workspace"),
            py::arg("accumulate") = false, py::arg("alpha") = 1.0f, py::arg("stream") = 0, py::arg("out_dtype") = "");
 }

@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "gradcomp/error.hpp"
 #include "gradcomp/packet.hpp"
@@ -39,10 +40,66 @@ struct PayloadView {
 struct CodecProperties {
   bool linear = false;        //!< decode(a) + decode(b) == decode(a + b) on the payload
   bool unbiased = false;      //!< E[decode(encode(x))] == x
-  bool deterministic = true;  //!< same input, same packet bytes
+  bool deterministic = true;  //!< same input (and key), same packet bytes
+  //! x + r_old == D + r_new holds exactly at divisor 1 (D the decoded packet): the decoded values
+  //! are roundings of x' (casts, top-k), so the error-feedback subtraction is exact (Sterbenz).
+  bool exact_residual = false;
+  //! The codec draws random numbers: its packets carry the EncodeContext in a 16-byte key section.
+  bool keyed = false;
+};
+
+//! The key of codecs that draw random numbers (DESIGN.md section 3: Random123 Philox keyed by
+//! values every rank shares). It travels in a 16-byte packet section (u64 seed, u32 step, u32
+//! bucket, little-endian), so decode needs no side channel. Codecs without randomness ignore it.
+struct EncodeContext {
+  uint64_t seed = 0;
+  uint32_t step = 0;
+  uint32_t bucket = 0;
+  friend bool operator==(const EncodeContext&, const EncodeContext&) = default;
 };
 
 enum class DecodeMode : uint8_t { assign = 0, accumulate = 1 };
+
+//! One section of a packet: `count` elements of `dtype` (packed for int4 / uint1) at byte
+//! `offset` (a multiple of 16). `name` says what it holds ("payload", "indices", "values",
+//! "scales", "key", ...).
+struct PacketSection {
+  const char* name = "";
+  int64_t offset = 0;
+  int64_t count = 0;
+  DType dtype = DType::none;
+};
+
+enum class MainParamKind : uint8_t {
+  exact = 0,   //!< header bytes 24-31 must equal the codec's value for numel (k, block)
+  maximum = 1, //!< a count up to a capacity (dgc): decode clamps it to the capacity
+};
+
+//! The declarative layout of a packet for (codec, numel, input dtype): the header it carries (flags
+//! zero), the sections after it, and the total size. packet_bytes, the header, host validation,
+//! zeroed padding and the CUDA kernels' header check all derive from it.
+inline constexpr int kMaxSections = 4;
+struct PacketLayout {
+  PacketHeader header{};               //!< expected header, flags 0
+  MainParamKind main_kind = MainParamKind::exact;
+  int32_t nsections = 0;
+  int32_t key_section = -1;            //!< index of the 16-byte EncodeContext section, -1: none
+  int32_t payload_section = -1;        //!< linear codecs: the section an allreduce may sum
+  PacketSection sections[kMaxSections];
+  int64_t bytes = 0;                   //!< total packet bytes, a multiple of 16
+};
+
+//! What the registry says of one codec name (gradcomp.codecs() in Python).
+struct CodecInfo {
+  std::string name;                    //!< e.g. "topk"
+  CodecId id;                          //!< header bytes 6-7
+  std::vector<std::string> keys;       //!< accepted spec keys
+  CodecProperties properties;          //!< of the first example spec
+  std::vector<std::string> examples;   //!< canonical example specs (the contract suite runs them)
+  std::string summary;                 //!< one line: what the codec does, and its source
+};
+//! Every registered codec, in registry order (kernels/core/registry.cpp).
+std::vector<CodecInfo> list_codecs();
 
 class Codec {
  public:
@@ -55,7 +112,8 @@ class Codec {
   //! Canonical spec: the name, then the non-default keys in a fixed order, numbers in their
   //! shortest round-trip form. create(spec()) yields an equal codec.
   const std::string& spec() const noexcept { return spec_; }
-  virtual CodecId id() const noexcept = 0;
+  //! Header bytes 6-7, from the registry line of the codec's name.
+  CodecId id() const noexcept { return id_; }
   //! FNV-1a of spec(), written into every packet header.
   uint32_t spec_hash() const noexcept { return spec_hash_; }
   virtual CodecProperties properties() const noexcept = 0;
@@ -64,7 +122,11 @@ class Codec {
   //! every rank. Throws InvalidArgument for numel outside [0, 2^56) or a dtype that is not a
   //! gradient dtype.
   virtual int64_t packet_bytes(int64_t numel, DType dtype) const = 0;
-  //! Scratch bytes encode/decode need on `device` (>= 16: the status word).
+  //! The packet's layout for `numel` elements of `dtype` (same errors as packet_bytes).
+  virtual PacketLayout layout(int64_t numel, DType dtype) const = 0;
+  //! Scratch bytes encode/decode need on `device` (>= 16: the status word). On the CPU it depends
+  //! on the thread count at the time of the call (gradcomp::get_num_threads()). Throws Unsupported
+  //! when the codec has no backend for `device` in this build.
   virtual int64_t workspace_bytes(int64_t numel, DType dtype, Device device) const = 0;
   //! The summable part of the packet for linear codecs; std::nullopt for the others.
   virtual std::optional<PayloadView> payload(int64_t numel, DType dtype) const { return std::nullopt; }
@@ -74,18 +136,19 @@ class Codec {
   //! Compress x (numel elements, float32/float16/bfloat16, C-contiguous) into `packet` (byte size
   //! >= packet_bytes, 16-byte aligned). With `residual` (float32, numel elements, same device) the
   //! same pass computes x' = x + residual and overwrites residual with r_new (see file comment).
-  //! `workspace` holds >= workspace_bytes(...) bytes on x's device. x is not modified.
+  //! `workspace` holds >= workspace_bytes(...) bytes on x's device. x is not modified. `ctx` keys
+  //! codecs that draw random numbers (ignored by the others).
   //! Throws InvalidArgument for mismatched sizes/dtypes/devices/alignment or arguments whose bytes
-  //! overlap, Unsupported for a CUDA tensor in a CPU-only build.
+  //! overlap, Unsupported for a device the codec has no backend for in this build.
   void encode(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
-              Stream stream = {}, float divisor = 1.0f) const;
+              Stream stream = {}, float divisor = 1.0f, const EncodeContext& ctx = {}) const;
 
   //! out (=| +=) alpha * D(packet); out has numel elements (float32/float16/bfloat16); numel is
-  //! taken from out. A packet whose magic, version, codec id, spec hash, numel or dtypes do not
-  //! match, or that carries an index out of range, out of order or repeated, raises CorruptPacket
-  //! on the CPU before anything is written; on CUDA kernels skip invalid entries and set the status
-  //! word in `workspace`. A packet flagged non-finite sets kStatusNonFinite (when a workspace is
-  //! given) and writes NaN into out[0].
+  //! taken from out. A packet whose magic, version, codec id, spec hash, numel, dtypes, main
+  //! parameter or flags do not match, or that carries an index out of range, out of order or
+  //! repeated, raises CorruptPacket on the CPU before anything is written; on CUDA kernels skip
+  //! invalid entries and set the status word in `workspace`. A packet flagged non-finite sets
+  //! kStatusNonFinite (when a workspace is given) and writes NaN into out[0].
   void decode(const Tensor& packet, const Tensor& out, const Tensor& workspace, DecodeMode mode = DecodeMode::assign,
               float alpha = 1.0f, Stream stream = {}) const;
 
@@ -95,19 +158,23 @@ class Codec {
     spec_ = std::move(canonical);
     spec_hash_ = fnv1a32(spec_);
   }
-  // Backend entry points; arguments are already validated by encode()/decode().
+  // Backend entry points; arguments are already validated by encode()/decode() (sizes that depend
+  // on the plan, such as the workspace, are checked by the implementation).
   virtual void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
-                           Stream stream, float divisor) const = 0;
+                           Stream stream, float divisor, const EncodeContext& ctx) const = 0;
   virtual void decode_impl(const Tensor& packet, const Tensor& out, const Tensor& workspace, DecodeMode mode,
                            float alpha, Stream stream) const = 0;
+  //! Throws Unsupported when the codec has no backend for `device` in this build.
+  virtual void require_backend(Device device) const = 0;
 
  private:
   std::string spec_;
   uint32_t spec_hash_ = 0;
+  CodecId id_{};
 };
 
 //! Read the status word from a workspace (CPU memory directly; CUDA: a synchronizing copy on
-//! `stream`) and clear it. Returns the kStatus* bits.
+//! `stream`, on the workspace's device) and clear it. Returns the kStatus* bits.
 uint32_t read_status(const Tensor& workspace, Stream stream = {}, bool clear = true);
 
 } // namespace gradcomp

@@ -19,13 +19,18 @@ inline constexpr uint16_t kPacketVersion = 1;
 inline constexpr int64_t kHeaderBytes = 32;
 inline constexpr int64_t kPacketAlign = 16;
 inline constexpr uint8_t kFlagNonFinite = 1u;
+//! Flag bits a packet may carry; a header with any other bit set is corrupt.
+inline constexpr uint8_t kFlagsDefined = kFlagNonFinite;
+//! Bytes of the EncodeContext section of keyed codecs (u64 seed, u32 step, u32 bucket).
+inline constexpr int64_t kKeyBytes = 16;
 
 //! Status word bits, kept in the first 16 bytes of a workspace (u32 at offset 0).
 inline constexpr uint32_t kStatusNonFinite = 1u; //!< a decoded packet carried the non-finite flag
 inline constexpr uint32_t kStatusCorrupt = 2u;   //!< a packet failed validation (CUDA: entries skipped)
 inline constexpr int64_t kStatusBytes = 16;
 
-//! Codec ids written at header offset 6. Never renumbered.
+//! Codec ids written at header offset 6. Never renumbered. The registry line of a codec name
+//! (kernels/core/registry.cpp) says which id its packets carry; the names below are reserved.
 enum class CodecId : uint16_t {
   none = 1,
   fp16 = 2,

@@ -23,22 +23,37 @@ enum class DType : uint8_t {
   uint8 = 6,
   int32 = 7,
   int64 = 8,
-  uint32 = 9,  //!< packet index sections
-  uint64 = 10, //!< packet index sections
-  none = 255,  //!< "no such section" in a packet header
+  uint32 = 9,          //!< packet index sections
+  uint64 = 10,         //!< packet index sections
+  int4 = 11,           //!< packet sections only: two signed 4-bit codes per byte, low nibble first
+  uint1 = 12,          //!< packet sections only: one bit per element, most significant bit first
+  float8_e8m0fnu = 13, //!< packet sections only: power-of-two scales (OCP MX), ml_dtypes' name
+  none = 255,          //!< "no such section" in a packet header
 };
+//! The largest defined DType code (the codes 0..kMaxDTypeCode have names).
+inline constexpr int kMaxDTypeCode = 13;
 
-//! Bytes per element of `t` (0 for DType::none).
-constexpr int64_t dtype_size(DType t) noexcept {
+//! Bits per element of `t` (0 for DType::none).
+constexpr int64_t dtype_bits(DType t) noexcept {
   switch (t) {
-    case DType::float32: case DType::int32: case DType::uint32: return 4;
-    case DType::float16: case DType::bfloat16: return 2;
-    case DType::float8_e4m3fn: case DType::float8_e5m2: case DType::int8: case DType::uint8: return 1;
-    case DType::int64: case DType::uint64: return 8;
+    case DType::float32: case DType::int32: case DType::uint32: return 32;
+    case DType::float16: case DType::bfloat16: return 16;
+    case DType::float8_e4m3fn: case DType::float8_e5m2: case DType::int8: case DType::uint8:
+    case DType::float8_e8m0fnu: return 8;
+    case DType::int64: case DType::uint64: return 64;
+    case DType::int4: return 4;
+    case DType::uint1: return 1;
     case DType::none: return 0;
   }
   return 0;
 }
+
+//! Bytes per element of `t` for the byte-addressable dtypes; 0 for DType::none and for the packed
+//! sub-byte dtypes int4 and uint1 (use storage_bytes for those).
+constexpr int64_t dtype_size(DType t) noexcept { return dtype_bits(t) >= 8 ? dtype_bits(t) / 8 : 0; }
+
+//! Bytes that `count` elements of `t` occupy when packed (sub-byte dtypes rounded up to whole bytes).
+constexpr int64_t storage_bytes(DType t, int64_t count) noexcept { return (count * dtype_bits(t) + 7) / 8; }
 
 //! True for the three gradient dtypes every codec accepts: float32, float16, bfloat16.
 constexpr bool is_gradient_dtype(DType t) noexcept {
@@ -79,7 +94,8 @@ struct Stream {
 };
 
 //! Threads used by the CPU backend (OpenMP). Default: GRADCOMP_NUM_THREADS if set, else
-//! the OpenMP default. set_num_threads(n) with n < 1 throws InvalidArgument.
+//! the OpenMP default. set_num_threads(n) with n outside [1, kMaxThreads] throws InvalidArgument.
+inline constexpr int kMaxThreads = 1024;
 void set_num_threads(int n);
 int get_num_threads() noexcept;
 

@@ -13,6 +13,13 @@
 #else
 #define GRADCOMP_HD inline
 #endif
+// Full unrolling of a loop with a constant trip count on the device (so that array indices become
+// constants and small arrays in kernel parameters or registers are never copied to local memory).
+#if defined(__CUDA_ARCH__)
+#define GRADCOMP_UNROLL _Pragma("unroll")
+#else
+#define GRADCOMP_UNROLL
+#endif
 
 namespace gradcomp::common {
 

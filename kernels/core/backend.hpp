@@ -1,72 +1,89 @@
 // SPDX-License-Identifier: Apache-2.0
-// Internal interface between kernels/core (validation, packet layout) and the backends
-// (kernels/cpu, kernels/cuda). Arguments reaching these functions are already validated; the
-// backends never include each other.
+// The generic interface between kernels/core and the backends (kernels/cpu, kernels/cuda).
+//
+// A codec family declares a Plan (what its kernels need: sizes, dtypes, the packet layout, the CPU
+// thread count) and one Kernels<Plan> table per backend (three function pointers). The core picks
+// the table with select(), which holds the only `#if GRADCOMP_WITH_CUDA` of the core: a backend
+// missing from the build raises Unsupported naming the codec and the device, never a silent no-op.
+// Arguments reaching a table are validated; the backends never include each other.
 #pragma once
 
 #include <cstdint>
 
 #include "gradcomp/codec.hpp"
+#include "layout.hpp"
 
 namespace gradcomp::detail {
 
-//! Layout of a cast packet (codecs none / fp16 / bf16): header, then numel + 1 wire elements; the
-//! last one is the non-finite sentinel (0, or NaN when a non-finite value was encoded).
-struct CastPlan {
-  DType input = DType::float32;
-  DType wire = DType::float32;
-  int64_t numel = 0;
+//! What an encode kernel gets besides its plan. The plan's layout gives the header (flags 0), the
+//! sections and the padding the kernel writes; on CUDA the kernel writes the header itself.
+struct EncodeArgs {
+  Tensor x;                      //!< float32/float16/bfloat16, plan's numel and input dtype
+  float* residual = nullptr;     //!< float32 [numel] on x's device, or null (no error feedback)
+  uint8_t* packet = nullptr;     //!< >= layout.bytes, 16-byte aligned
+  uint8_t* workspace = nullptr;  //!< >= Kernels::workspace_bytes(plan); status word in bytes 0-3
+  int64_t workspace_bytes = 0;
+  float divisor = 1.0f;
+  EncodeContext ctx{};
+  Stream stream{};
 };
 
-//! Layout of a top-k packet: header, k indices (ascending) at offset 32, k values at values_offset.
-struct TopKPlan {
-  DType input = DType::float32;
-  int64_t numel = 0;
-  int64_t k = 0;
-  DType index_dtype = DType::uint32;
-  DType value_dtype = DType::float32;
-  int64_t values_offset = 0;
-  int64_t candidate_capacity = 0; //!< CPU: entries the candidate buffer holds
+//! What a decode kernel gets. On the CPU the header has been validated on the host (`input` is
+//! its input dtype and the plan was built for it); on CUDA the host cannot read the packet, so the
+//! kernel checks the header against `expect` (check_header) and takes the layout of the header's
+//! input dtype from it, and the plan was built for float32 input (fields that do not depend on the
+//! input dtype only).
+struct DecodeArgs {
+  const uint8_t* packet = nullptr;
+  int64_t packet_capacity = 0;   //!< bytes the packet buffer holds
+  Tensor out;                    //!< float32/float16/bfloat16, numel elements
+  uint8_t* workspace = nullptr;  //!< status word at bytes 0-3; may be null on the CPU
+  DecodeMode mode = DecodeMode::assign;
+  float alpha = 1.0f;
+  Stream stream{};
+  DType input = DType::none;     //!< CPU: the validated header's input dtype
+  const HeaderExpect* expect = nullptr; //!< CUDA: what the kernel checks the header against
 };
 
-//! What decode expects in the header; the CPU checks it on the host, CUDA kernels on the device.
-struct HeaderExpect {
-  PacketHeader header{}; //!< flags ignored; input/wire dtype checked by the codec's rule
-  int64_t packet_capacity = 0; //!< bytes available in the packet buffer
+//! A backend's kernels for one family.
+template <class Plan> struct Kernels {
+  int64_t (*workspace_bytes)(const Plan&);
+  void (*encode)(const Plan&, const EncodeArgs&);
+  void (*decode)(const Plan&, const DecodeArgs&);
 };
 
-namespace cpu {
-void cast_encode(const CastPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 float divisor);
-void cast_decode(const CastPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
-                 uint32_t* status);
-int64_t topk_workspace_bytes(const TopKPlan& p, int threads);
-void topk_encode(const TopKPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 uint8_t* workspace, int64_t workspace_bytes, float divisor);
-void topk_decode(const TopKPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
-                 uint32_t* status);
-} // namespace cpu
+//! A family's kernel tables; null where the build has no such backend.
+template <class Plan> struct Backends {
+  const Kernels<Plan>* cpu = nullptr;
+  const Kernels<Plan>* cuda = nullptr;
+};
 
-} // namespace gradcomp::detail
+//! Host helpers of a CUDA build that are not per family (kernels/cuda/runtime.cu).
+struct DeviceRuntime {
+  uint32_t (*read_status)(const Tensor& workspace, Stream stream, bool clear);
+  const char* (*version)();
+};
 
 #if defined(GRADCOMP_WITH_CUDA)
-namespace gradcomp::detail::cuda {
-// Implemented in kernels/cuda/*.cu. No allocation, host synchronization or host read of device
-// memory: the header is written by the encode kernel; decode validates the header on the device
-// against `expect` and reports through the status word at the start of `workspace`.
-// For decode, a CastPlan/TopKPlan whose input dtype is DType::none means "take it from the header".
-void cast_encode(const CastPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 float divisor, uint8_t* workspace, Stream stream);
-void cast_decode(const CastPlan& p, const uint8_t* packet, const Tensor& out, const HeaderExpect& expect,
-                 DecodeMode mode, float alpha, uint8_t* workspace, Stream stream);
-int64_t topk_workspace_bytes(const TopKPlan& p);
-void topk_encode(const TopKPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 uint8_t* workspace, int64_t workspace_bytes, float divisor, Stream stream);
-void topk_decode(const TopKPlan& p, const uint8_t* packet, const Tensor& out, const HeaderExpect& expect,
-                 DecodeMode mode, float alpha, uint8_t* workspace, Stream stream);
-//! Synchronizing copy of the status word (first 4 bytes of the workspace) to the host; clears it.
-uint32_t read_status(const uint8_t* workspace, Stream stream, bool clear);
-//! Toolkit version and architectures compiled in, for build_info().
-const char* cuda_version();
-} // namespace gradcomp::detail::cuda
+//! The CUDA table of a family, or null in a CPU-only build (where it is never referenced).
+#define GRADCOMP_CUDA_KERNELS(table) (&(table))
+namespace cuda {
+extern const DeviceRuntime runtime;
+} // namespace cuda
+inline const DeviceRuntime* cuda_runtime() { return &cuda::runtime; }
+#else
+#define GRADCOMP_CUDA_KERNELS(table) nullptr
+inline const DeviceRuntime* cuda_runtime() { return nullptr; }
 #endif
+
+[[noreturn]] void throw_no_backend(const Codec& c, Device d);
+
+//! The kernels of `b` for `device`; throws Unsupported naming the codec and the device when the
+//! build has none.
+template <class Plan> const Kernels<Plan>& select(const Backends<Plan>& b, Device device, const Codec& c) {
+  const Kernels<Plan>* k = device.kind == DeviceKind::cpu ? b.cpu : device.kind == DeviceKind::cuda ? b.cuda : nullptr;
+  if (k == nullptr) throw_no_backend(c, device);
+  return *k;
+}
+
+} // namespace gradcomp::detail

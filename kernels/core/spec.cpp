@@ -34,7 +34,7 @@ ParsedSpec parse_spec(std::string_view spec) {
   return out;
 }
 
-void check_keys(const ParsedSpec& s, std::initializer_list<std::string_view> allowed) {
+void check_keys(const ParsedSpec& s, const std::vector<std::string_view>& allowed) {
   for (const auto& [key, value] : s.options) {
     bool ok = false;
     for (auto a : allowed) ok = ok || a == key;

@@ -3,10 +3,10 @@
 #pragma once
 
 #include <cstdint>
-#include <initializer_list>
 #include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace gradcomp::detail {
 
@@ -21,7 +21,7 @@ struct ParsedSpec {
 ParsedSpec parse_spec(std::string_view spec);
 
 //! Throw InvalidArgument for a key of `s` not in `allowed`, listing the accepted keys.
-void check_keys(const ParsedSpec& s, std::initializer_list<std::string_view> allowed);
+void check_keys(const ParsedSpec& s, const std::vector<std::string_view>& allowed);
 
 //! Parse a binary64 / int64 option value; InvalidArgument naming key and value on failure, and
 //! listing `accepted` (e.g. "0 < ratio <= 1") when given.

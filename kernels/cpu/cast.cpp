@@ -13,8 +13,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-#include "../core/backend.hpp"
-#include "elem.hpp"
+#include "../core/codecs/cast.hpp"
+#include "parallel.hpp"
 
 namespace gradcomp::detail::cpu {
 namespace {
@@ -56,10 +56,10 @@ uint32_t f16_block(const float* y, uint16_t* out, int64_t n) {
 // then the convert. (With a residual the fused generic loop below is faster: it needs the decoded
 // value of every code anyway.)
 template <class In, bool Div1>
-uint32_t encode_f16_hw(const typename In::storage* __restrict x, uint16_t* __restrict out, int64_t n, float div) {
+uint32_t encode_f16_hw(const typename In::storage* __restrict x, uint16_t* __restrict out, int64_t n, float div,
+                       int T) {
   constexpr int64_t kBlock = 2048;
   uint32_t flag = 0;
-  const int T = threads_for(n);
 #pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
@@ -73,12 +73,11 @@ uint32_t encode_f16_hw(const typename In::storage* __restrict x, uint16_t* __res
 
 template <class In, class W, bool HasRes, bool Div1>
 uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict r, typename W::storage* __restrict out,
-                     int64_t n, float div) {
+                     int64_t n, float div, int T) {
 #if defined(GRADCOMP_CPU_F16_HW)
-  if constexpr (std::is_same_v<W, F16> && !HasRes) return encode_f16_hw<In, Div1>(x, out, n, div);
+  if constexpr (std::is_same_v<W, F16> && !HasRes) return encode_f16_hw<In, Div1>(x, out, n, div, T);
 #endif
   uint32_t flag = 0;
-  const int T = threads_for(n);
 #pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
   for (int64_t i = 0; i < n; ++i) {
     float xp = In::load(x[i]);
@@ -98,8 +97,7 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
 
 template <class W, class O>
 void decode_loop(const typename W::storage* __restrict in, typename O::storage* __restrict out, int64_t n, float alpha,
-                 bool accumulate) {
-  const int T = threads_for(n);
+                 bool accumulate, int T) {
   if (accumulate) {
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int64_t i = 0; i < n; ++i) out[i] = O::store(add_rn(O::load(out[i]), mul_rn(W::load(in[i]), alpha)));
@@ -109,53 +107,55 @@ void decode_loop(const typename W::storage* __restrict in, typename O::storage* 
   }
 }
 
-} // namespace
-
-void cast_encode(const CastPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 float divisor) {
-  PacketHeader h = hdr;
+void encode(const CastPlan& p, const EncodeArgs& a) {
   uint32_t flag = 0;
   dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
     dispatch_float(p.wire, [&](auto w) {
       using W = decltype(w);
-      const auto* xs = x.ptr<const typename In::storage>();
-      auto* out = reinterpret_cast<typename W::storage*>(packet + kHeaderBytes);
-      const bool div1 = divisor == 1.0f;
-      if (residual) {
-        flag = div1 ? encode_loop<In, W, true, true>(xs, residual, out, p.numel, divisor)
-                    : encode_loop<In, W, true, false>(xs, residual, out, p.numel, divisor);
+      const auto* xs = a.x.ptr<const typename In::storage>();
+      auto* out = reinterpret_cast<typename W::storage*>(a.packet + p.layout.sections[0].offset);
+      const bool div1 = a.divisor == 1.0f;
+      const float d = a.divisor;
+      float* r = a.residual;
+      const int T = p.threads;
+      if (r) {
+        flag = div1 ? encode_loop<In, W, true, true>(xs, r, out, p.numel, d, T)
+                    : encode_loop<In, W, true, false>(xs, r, out, p.numel, d, T);
       } else {
-        flag = div1 ? encode_loop<In, W, false, true>(xs, nullptr, out, p.numel, divisor)
-                    : encode_loop<In, W, false, false>(xs, nullptr, out, p.numel, divisor);
+        flag = div1 ? encode_loop<In, W, false, true>(xs, nullptr, out, p.numel, d, T)
+                    : encode_loop<In, W, false, false>(xs, nullptr, out, p.numel, d, T);
       }
       // The non-finite sentinel: an extra wire element that survives a sum allreduce.
       out[p.numel] = W::store(flag ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
-      // Zero the padding so packets are byte-deterministic.
-      auto* end = reinterpret_cast<uint8_t*>(out + p.numel + 1);
-      std::memset(end, 0, static_cast<size_t>(packet + kHeaderBytes + align16((p.numel + 1) * dtype_size(p.wire)) - end));
-    });
-  });
-  h.flags = flag ? kFlagNonFinite : 0;
-  std::memcpy(packet, &h, sizeof h);
+    }, "cast: wire");
+  }, "cast: input");
+  finish_packet(a.packet, p.layout, flag ? kFlagNonFinite : 0, a.ctx);
 }
 
-void cast_decode(const CastPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
-                 uint32_t* status) {
+void decode(const CastPlan& p, const DecodeArgs& a) {
   PacketHeader h;
-  std::memcpy(&h, packet, sizeof h);
+  std::memcpy(&h, a.packet, sizeof h);
   bool nonfinite = (h.flags & kFlagNonFinite) != 0;
+  auto* status = reinterpret_cast<uint32_t*>(a.workspace);
   dispatch_float(p.wire, [&](auto w) {
     using W = decltype(w);
-    const auto* in = reinterpret_cast<const typename W::storage*>(packet + kHeaderBytes);
-    nonfinite = nonfinite || !is_finite_bits(float_bits(W::load(in[p.numel])));
-    dispatch_float(out.dtype, [&](auto o) {
+    const auto* in = reinterpret_cast<const typename W::storage*>(a.packet + p.layout.sections[0].offset);
+    nonfinite = nonfinite || W::nonfinite(in[p.numel]);
+    dispatch_float(a.out.dtype, [&](auto o) {
       using O = decltype(o);
-      decode_loop<W, O>(in, out.ptr<typename O::storage>(), p.numel, alpha, mode == DecodeMode::accumulate);
-      if (nonfinite && p.numel > 0) out.ptr<typename O::storage>()[0] = O::store(std::numeric_limits<float>::quiet_NaN());
-    });
-  });
+      auto* out = a.out.ptr<typename O::storage>();
+      decode_loop<W, O>(in, out, p.numel, a.alpha, a.mode == DecodeMode::accumulate, p.threads);
+      if (nonfinite && p.numel > 0) out[0] = O::store(std::numeric_limits<float>::quiet_NaN());
+    }, "decode: out");
+  }, "cast: wire");
   if (nonfinite && status) *status |= kStatusNonFinite;
 }
+
+int64_t workspace_bytes(const CastPlan&) { return kStatusBytes; }
+
+} // namespace
+
+const Kernels<CastPlan> cast = {&workspace_bytes, &encode, &decode};
 
 } // namespace gradcomp::detail::cpu

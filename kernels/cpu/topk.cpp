@@ -34,8 +34,8 @@
 #include <immintrin.h>
 #endif
 
-#include "../core/backend.hpp"
-#include "elem.hpp"
+#include "../core/codecs/topk.hpp"
+#include "parallel.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -317,12 +317,12 @@ uint32_t guess_lo(const Src& src, int64_t n, int64_t k, int64_t region, uint32_t
 }
 
 template <class V, class I, class Src>
-void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, PacketHeader h, uint8_t* ws_base) {
+void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, const EncodeContext& ctx, uint8_t* ws_base) {
   const int64_t n = p.numel, k = p.k;
-  auto* out_idx = reinterpret_cast<I*>(packet + kHeaderBytes);
+  auto* out_idx = reinterpret_cast<I*>(packet + p.layout.sections[0].offset);
   auto* out_val = reinterpret_cast<typename V::storage*>(packet + p.values_offset);
   uint32_t flag = 0;
-  const int T = threads_for(n);
+  const int T = p.threads;
 
   if (k == 0 || k == n) {  // trivial selections: nothing, or everything
 #pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
@@ -470,50 +470,38 @@ void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, PacketHeader h
     }
     flag |= nonfinite_sent;
   }
-  // Zero the padding after each section so packets are byte-deterministic.
-  std::memset(packet + kHeaderBytes + k * sizeof(I), 0, size_t(p.values_offset - kHeaderBytes - k * int64_t(sizeof(I))));
-  const int64_t vend = p.values_offset + k * int64_t(sizeof(typename V::storage));
-  std::memset(packet + vend, 0, size_t(align16(vend) - vend));
-  h.flags = flag ? kFlagNonFinite : 0;
-  std::memcpy(packet, &h, sizeof h);
+  finish_packet(packet, p.layout, flag ? kFlagNonFinite : 0, ctx);
 }
 
-} // namespace
+int64_t workspace_bytes(const TopKPlan& p) { return Workspace::bytes(std::max(1, p.threads), p.candidate_capacity); }
 
-int64_t topk_workspace_bytes(const TopKPlan& p, int threads) {
-  return Workspace::bytes(std::max(1, threads), p.candidate_capacity);
-}
-
-void topk_encode(const TopKPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 uint8_t* workspace, int64_t workspace_bytes, float divisor) {
-  (void)workspace_bytes;
+void encode(const TopKPlan& p, const EncodeArgs& a) {
   dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
     dispatch_float(p.value_dtype, [&](auto v) {
       using V = decltype(v);
       auto go = [&](auto src) {
-        if (p.index_dtype == DType::uint64) topk_run<V, uint64_t>(p, src, packet, hdr, workspace);
-        else topk_run<V, uint32_t>(p, src, packet, hdr, workspace);
+        if (p.index_dtype == DType::uint64) topk_run<V, uint64_t>(p, src, a.packet, a.ctx, a.workspace);
+        else topk_run<V, uint32_t>(p, src, a.packet, a.ctx, a.workspace);
       };
-      const auto* xs = x.ptr<const typename In::storage>();
-      const bool div1 = divisor == 1.0f;
-      if (residual) {
-        if (div1) go(Source<In, true, true>{xs, residual, divisor});
-        else go(Source<In, true, false>{xs, residual, divisor});
+      const auto* xs = a.x.ptr<const typename In::storage>();
+      const bool div1 = a.divisor == 1.0f;
+      if (a.residual) {
+        if (div1) go(Source<In, true, true>{xs, a.residual, a.divisor});
+        else go(Source<In, true, false>{xs, a.residual, a.divisor});
       } else {
-        if (div1) go(Source<In, false, true>{xs, nullptr, divisor});
-        else go(Source<In, false, false>{xs, nullptr, divisor});
+        if (div1) go(Source<In, false, true>{xs, nullptr, a.divisor});
+        else go(Source<In, false, false>{xs, nullptr, a.divisor});
       }
-    });
-  });
+    }, "topk: value");
+  }, "topk: input");
 }
 
-namespace {
 template <class I, class V, class O>
 void topk_decode_t(const TopKPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
                    uint32_t* status) {
   const int64_t n = p.numel, k = p.k;
-  const auto* idx = reinterpret_cast<const I*>(packet + kHeaderBytes);
+  const auto* idx = reinterpret_cast<const I*>(packet + p.layout.sections[0].offset);
   const auto* val = reinterpret_cast<const typename V::storage*>(packet + p.values_offset);
   // Validate every index before writing anything. The CPU reports a corrupt packet by raising (as
   // for a bad header), not through the status word, which stays for CUDA's skipped entries.
@@ -531,7 +519,7 @@ void topk_decode_t(const TopKPlan& p, const uint8_t* packet, const Tensor& out, 
   auto* o = out.ptr<typename O::storage>();
   if (mode == DecodeMode::assign) {
     const typename O::storage zero = O::store(0.0f);
-    const int T = threads_for(n);
+    const int T = p.threads;
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int64_t i = 0; i < n; ++i) o[i] = zero;
     for (int64_t j = 0; j < k; ++j) o[idx[j]] = O::store(mul_rn(V::load(val[j]), alpha));
@@ -545,18 +533,20 @@ void topk_decode_t(const TopKPlan& p, const uint8_t* packet, const Tensor& out, 
     if (n > 0) o[0] = O::store(std::numeric_limits<float>::quiet_NaN());
   }
 }
+void decode(const TopKPlan& p, const DecodeArgs& a) {
+  auto* status = reinterpret_cast<uint32_t*>(a.workspace);
+  dispatch_float(p.value_dtype, [&](auto v) {
+    dispatch_float(a.out.dtype, [&](auto o) {
+      if (p.index_dtype == DType::uint64)
+        topk_decode_t<uint64_t, decltype(v), decltype(o)>(p, a.packet, a.out, a.mode, a.alpha, status);
+      else
+        topk_decode_t<uint32_t, decltype(v), decltype(o)>(p, a.packet, a.out, a.mode, a.alpha, status);
+    }, "decode: out");
+  }, "topk: value");
+}
+
 } // namespace
 
-void topk_decode(const TopKPlan& p, const uint8_t* packet, const Tensor& out, DecodeMode mode, float alpha,
-                 uint32_t* status) {
-  dispatch_float(p.value_dtype, [&](auto v) {
-    dispatch_float(out.dtype, [&](auto o) {
-      if (p.index_dtype == DType::uint64)
-        topk_decode_t<uint64_t, decltype(v), decltype(o)>(p, packet, out, mode, alpha, status);
-      else
-        topk_decode_t<uint32_t, decltype(v), decltype(o)>(p, packet, out, mode, alpha, status);
-    });
-  });
-}
+const Kernels<TopKPlan> topk = {&workspace_bytes, &encode, &decode};
 
 } // namespace gradcomp::detail::cpu

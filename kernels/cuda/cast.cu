@@ -8,6 +8,7 @@
 // the workspace); the last block (atomic counter) writes the sentinel, the padding and the header.
 // Decode: every block checks the header on the device; a mismatch sets kStatusCorrupt and writes
 // nothing; the wire dtype of codec none comes from the header.
+#include "../core/codecs/cast.hpp"
 #include "common.cuh"
 
 namespace gradcomp::detail::cuda {
@@ -26,8 +27,8 @@ __global__ void __launch_bounds__(kThreads) cast_encode_kernel(const typename In
                                                                float* __restrict__ r,
                                                                typename W::storage* __restrict__ out, int64_t n,
                                                                float div, bool vec, uint8_t* __restrict__ packet,
-                                                               PacketHeader hdr, uint32_t* flag_word,
-                                                               uint32_t* counter) {
+                                                               PacketLayout layout, EncodeContext ctx,
+                                                               uint32_t* flag_word, uint32_t* counter) {
   using WS = typename W::storage;
   uint32_t nf = 0;
   const int64_t stride = int64_t(gridDim.x) * kChunk;
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) cast_encode_kernel(const typename In
       float v[kItems];
       load8<In>(x + base, v);
       float rv[kItems];
-      if constexpr (HasRes) load8<DF32>(r + base, rv);
+      if constexpr (HasRes) load8<F32>(r + base, rv);
       WS c[kItems];
 #pragma unroll
       for (int j = 0; j < kItems; ++j) {
@@ -67,17 +68,14 @@ __global__ void __launch_bounds__(kThreads) cast_encode_kernel(const typename In
   if (__syncthreads_or(nf) && threadIdx.x == 0) atomicOr(flag_word, 1u);
   __shared__ bool s_last;
   if (!elect_last_block(counter, &s_last)) return;
+  __shared__ uint32_t s_flag;
   if (threadIdx.x == 0) {
-    const uint32_t flag = atomicOr(flag_word, 0u);
+    s_flag = atomicOr(flag_word, 0u);
     // The non-finite sentinel: an extra wire element that survives a sum allreduce.
-    out[n] = W::store(flag ? quiet_nan() : 0.0f);
-    hdr.flags = flag ? kFlagNonFinite : 0;
-    store_header(packet, hdr);
+    out[n] = W::store(s_flag ? quiet_nan() : 0.0f);
   }
-  // Zero the padding after the sentinel so packets are byte-deterministic.
-  const int64_t used = kHeaderBytes + (n + 1) * int64_t(sizeof(WS));
-  const int64_t end = kHeaderBytes + align16((n + 1) * int64_t(sizeof(WS)));
-  if (used + threadIdx.x < end) packet[used + threadIdx.x] = 0;
+  __syncthreads();
+  finish_packet_block(packet, layout, s_flag ? kFlagNonFinite : 0, ctx);
 }
 
 template <class W, class O, bool Acc>
@@ -116,16 +114,21 @@ __device__ __forceinline__ void cast_decode_body(const typename W::storage* __re
 template <class O, bool Acc>
 __global__ void __launch_bounds__(kThreads) cast_decode_kernel(const uint8_t* __restrict__ packet,
                                                                typename O::storage* __restrict__ out, int64_t n,
-                                                               float alpha, bool vec, DeviceExpect e,
+                                                               float alpha, bool vec, HeaderExpect e,
                                                                uint32_t* status) {
   __shared__ int s_wire;
+  __shared__ int64_t s_offset;
   __shared__ bool s_nonfinite;
   if (threadIdx.x == 0) {
     const PacketHeader h = load_header(packet);
-    const int wire = check_header(h, e);
+    const int input = checked_input(h, e);
     bool nonfinite = false;
-    if (wire >= 0) {
-      const float sentinel = load_dyn(packet + kHeaderBytes, wire, n);
+    int wire = -1;
+    if (input >= 0) {
+      const PacketSection sec = expect_section(e, input, 0);
+      wire = common::gradient_code(sec.dtype);
+      s_offset = sec.offset;
+      const float sentinel = load_dyn(packet + sec.offset, sec.dtype, n);
       nonfinite = (h.flags & kFlagNonFinite) != 0 || nonfinite_bit(sentinel);
       if (blockIdx.x == 0 && nonfinite) atomicOr(status, kStatusNonFinite);
     } else if (blockIdx.x == 0) {
@@ -137,81 +140,69 @@ __global__ void __launch_bounds__(kThreads) cast_decode_kernel(const uint8_t* __
   __syncthreads();
   const int wire = s_wire;
   const bool nonfinite = s_nonfinite;
-  const uint8_t* payload = packet + kHeaderBytes;
+  const uint8_t* payload = packet + s_offset;
   switch (wire) {
-    case 0: cast_decode_body<DF32, O, Acc>(reinterpret_cast<const float*>(payload), out, n, alpha, vec, nonfinite); break;
-    case 1: cast_decode_body<DF16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
-    case 2: cast_decode_body<DBF16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
+    case 0: cast_decode_body<F32, O, Acc>(reinterpret_cast<const float*>(payload), out, n, alpha, vec, nonfinite); break;
+    case 1: cast_decode_body<F16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
+    case 2: cast_decode_body<BF16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
     default: break; // corrupt: write nothing
   }
 }
 
-template <class F> decltype(auto) dispatch(DType t, F&& f) {
-  switch (t) {
-    case DType::float16: return f(DF16{});
-    case DType::bfloat16: return f(DBF16{});
-    default: return f(DF32{});
-  }
-}
-
-} // namespace
-
-void cast_encode(const CastPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 float divisor, uint8_t* workspace, Stream stream) {
-  DeviceGuard guard(x.device.index);
-  const cudaStream_t s = to_cuda(stream);
+void encode(const CastPlan& p, const EncodeArgs& a) {
+  DeviceGuard guard(a.x.device.index);
+  const cudaStream_t s = to_cuda(a.stream);
+  uint8_t* workspace = a.workspace;
   GRADCOMP_CUDA_CHECK(cudaMemsetAsync(workspace + plan::kCastFlagOffset, 0, 8, s));
-  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(x.device.index));
-  uint8_t* payload = packet + kHeaderBytes;
-  const bool vec = aligned16(x.data) && (residual == nullptr || aligned16(residual));
+  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(a.x.device.index));
+  uint8_t* payload = a.packet + p.layout.sections[0].offset;
+  const bool vec = aligned16(a.x.data) && (a.residual == nullptr || aligned16(a.residual));
   auto* flag = reinterpret_cast<uint32_t*>(workspace + plan::kCastFlagOffset);
   auto* counter = reinterpret_cast<uint32_t*>(workspace + plan::kCastCounterOffset);
-  dispatch(p.input, [&](auto in) {
+  common::dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
-    dispatch(p.wire, [&](auto w) {
+    common::dispatch_float(p.wire, [&](auto w) {
       using W = decltype(w);
-      const auto* xs = static_cast<const typename In::storage*>(x.data);
+      const auto* xs = static_cast<const typename In::storage*>(a.x.data);
       auto* out = reinterpret_cast<typename W::storage*>(payload);
       auto go = [&](auto kernel) {
-        kernel<<<unsigned(blocks), kThreads, 0, s>>>(xs, residual, out, p.numel, divisor, vec, packet, hdr, flag,
-                                                     counter);
+        kernel<<<unsigned(blocks), kThreads, 0, s>>>(xs, a.residual, out, p.numel, a.divisor, vec, a.packet, p.layout,
+                                                     a.ctx, flag, counter);
         GRADCOMP_CUDA_CHECK_LAUNCH("cast_encode_kernel");
       };
-      const bool div1 = divisor == 1.0f;
-      if (residual) {
+      const bool div1 = a.divisor == 1.0f;
+      if (a.residual) {
         if (div1) go(cast_encode_kernel<In, W, true, true>);
         else go(cast_encode_kernel<In, W, true, false>);
       } else {
         if (div1) go(cast_encode_kernel<In, W, false, true>);
         else go(cast_encode_kernel<In, W, false, false>);
       }
-    });
-  });
+    }, "cast: wire");
+  }, "cast: input");
 }
 
-void cast_decode(const CastPlan& p, const uint8_t* packet, const Tensor& out, const HeaderExpect& expect,
-                 DecodeMode mode, float alpha, uint8_t* workspace, Stream stream) {
-  DeviceGuard guard(out.device.index);
-  const cudaStream_t s = to_cuda(stream);
-  DeviceExpect e{};
-  e.h = expect.header;
-  e.h.wire_dtype = static_cast<uint8_t>(p.wire); // DType::none (codec none): from the header
-  e.capacity = expect.packet_capacity;
-  e.fixed_bytes = kHeaderBytes;
-  e.wire_count = p.numel + 1;
-  e.check_index = 0;
-  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(out.device.index));
-  const bool vec = aligned16(out.data);
-  auto* status = reinterpret_cast<uint32_t*>(workspace);
-  dispatch(out.dtype, [&](auto o) {
+void decode(const CastPlan& p, const DecodeArgs& a) {
+  DeviceGuard guard(a.out.device.index);
+  const cudaStream_t s = to_cuda(a.stream);
+  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(a.out.device.index));
+  const bool vec = aligned16(a.out.data);
+  auto* status = reinterpret_cast<uint32_t*>(a.workspace);
+  common::dispatch_float(a.out.dtype, [&](auto o) {
     using O = decltype(o);
-    auto* op = static_cast<typename O::storage*>(out.data);
-    if (mode == DecodeMode::accumulate)
-      cast_decode_kernel<O, true><<<unsigned(blocks), kThreads, 0, s>>>(packet, op, p.numel, alpha, vec, e, status);
+    auto* op = static_cast<typename O::storage*>(a.out.data);
+    if (a.mode == DecodeMode::accumulate)
+      cast_decode_kernel<O, true><<<unsigned(blocks), kThreads, 0, s>>>(a.packet, op, p.numel, a.alpha, vec, *a.expect, status);
     else
-      cast_decode_kernel<O, false><<<unsigned(blocks), kThreads, 0, s>>>(packet, op, p.numel, alpha, vec, e, status);
+      cast_decode_kernel<O, false><<<unsigned(blocks), kThreads, 0, s>>>(a.packet, op, p.numel, a.alpha, vec, *a.expect, status);
     GRADCOMP_CUDA_CHECK_LAUNCH("cast_decode_kernel");
-  });
+  }, "decode: out");
 }
+
+int64_t workspace_bytes(const CastPlan&) { return plan::kStatusBytes; }
+
+} // namespace
+
+const Kernels<CastPlan> cast = {&workspace_bytes, &encode, &decode};
 
 } // namespace gradcomp::detail::cuda

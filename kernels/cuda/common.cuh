@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Launch helpers shared by the CUDA kernels: error checking, device guard, element tags, 16-byte
-// vector loads/stores of 8 elements, and the on-device packet header check.
+// Launch helpers shared by the CUDA kernels: error checking, device guard, 16-byte vector
+// loads/stores of 8 elements, the on-device header load/store and packet finishing (header, key
+// section, padding: all derived from the packet layout, kernels/core/layout.hpp), and the
+// last-block election. Element tags are kernels/common/elem.hpp, the same set the CPU uses.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,8 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../common/elem.hpp"
 #include "../common/math.hpp"
 #include "../core/backend.hpp"
+#include "../core/layout.hpp"
 #include "gradcomp/error.hpp"
 #include "plan.hpp"
 
@@ -35,7 +39,10 @@ namespace gradcomp::detail::cuda {
 
 inline cudaStream_t to_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
 
-//! Makes `device` current for the scope of a call, restoring the previous device afterwards.
+//! Makes `device` current for the scope of a call. On exit the previous device is made current
+//! again only when it has an active primary context (as PyTorch's c10::cuda::MaybeSetDevice
+//! does): restoring a device the thread never used would create a context on it (e.g. on GPU 0 for
+//! a thread that only ever touched GPU 3).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device);
@@ -47,30 +54,18 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
+//! Whether `device`'s primary context is active (cuDevicePrimaryCtxGetState, reached through the
+//! runtime's driver entry point so that nothing links libcuda). False when it cannot be told.
+bool primary_context_active(int device);
+
 //! Multiprocessors of `device` (cached; a host attribute query, no synchronization).
 int sm_count(int device);
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// ---- element tags -------------------------------------------------------------------------------
-struct DF32 {
-  using storage = float;
-  static constexpr DType dtype = DType::float32;
-  __device__ __forceinline__ static float load(float v) { return v; }
-  __device__ __forceinline__ static float store(float v) { return v; }
-};
-struct DF16 {
-  using storage = uint16_t;
-  static constexpr DType dtype = DType::float16;
-  __device__ __forceinline__ static float load(uint16_t v) { return common::half_bits_to_float(v); }
-  __device__ __forceinline__ static uint16_t store(float v) { return common::float_to_half_bits(v); }
-};
-struct DBF16 {
-  using storage = uint16_t;
-  static constexpr DType dtype = DType::bfloat16;
-  __device__ __forceinline__ static float load(uint16_t v) { return common::bf16_bits_to_float(v); }
-  __device__ __forceinline__ static uint16_t store(float v) { return common::float_to_bf16_bits(v); }
-};
+using common::BF16;
+using common::F16;
+using common::F32;
 
 //! The canonical quiet NaN (what the CPU backend's std::numeric_limits<float>::quiet_NaN() is).
 __device__ __forceinline__ float quiet_nan() { return __uint_as_float(0x7FC00000u); }
@@ -114,38 +109,21 @@ __device__ __forceinline__ void store8f(float* p, const float (&v)[plan::kItems]
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-//! Load one element of a gradient dtype known only at run time (0 float32, 1 float16, 2 bfloat16).
-__device__ __forceinline__ float load_dyn(const uint8_t* base, int dtype, int64_t i) {
-  if (dtype == 0) return reinterpret_cast<const float*>(base)[i];
+//! Load one element of a gradient dtype known only at run time (a packet section's dtype).
+__device__ __forceinline__ float load_dyn(const uint8_t* base, DType dtype, int64_t i) {
+  if (dtype == DType::float32) return reinterpret_cast<const float*>(base)[i];
   const uint16_t h = reinterpret_cast<const uint16_t*>(base)[i];
-  return dtype == 1 ? common::half_bits_to_float(h) : common::bf16_bits_to_float(h);
+  return dtype == DType::float16 ? common::half_bits_to_float(h) : common::bf16_bits_to_float(h);
 }
 
 // ---- packet header check on the device ------------------------------------------------------------
-//! What a decode kernel checks: the expected header (HeaderExpect) plus the packet size rule
-//! fixed_bytes + align16(wire_count * sizeof(wire)) <= capacity.
-struct DeviceExpect {
-  PacketHeader h;
-  int64_t capacity;
-  int64_t fixed_bytes;
-  int64_t wire_count;
-  int check_index; //!< top-k: the index dtype must match too
-};
-
-//! Returns the wire dtype (0..2) of a header that matches `e`, or -1. Wire rule: the expected
-//! wire dtype, or the header's input dtype when the expectation is DType::none (codec none,
-//! top-k value_dtype=auto).
-__device__ __forceinline__ int check_header(const PacketHeader& g, const DeviceExpect& e) {
-  if (g.magic != e.h.magic || g.version != e.h.version || g.codec_id != e.h.codec_id ||
-      g.spec_hash != e.h.spec_hash || g.numel != e.h.numel || g.main_param != e.h.main_param)
-    return -1;
-  if (g.input_dtype > 2) return -1;
-  const int wire = e.h.wire_dtype == static_cast<uint8_t>(DType::none) ? g.input_dtype : e.h.wire_dtype;
-  if (g.wire_dtype != wire || wire > 2) return -1;
-  if (e.check_index && g.index_dtype != e.h.index_dtype) return -1;
-  const int64_t need = e.fixed_bytes + (e.wire_count * (wire == 0 ? 4 : 2) + 15) / 16 * 16;
-  if (need > e.capacity) return -1;
-  return wire;
+//! The header check on the device: check_header of kernels/core/layout.hpp, the same function the
+//! host runs. Returns the header's input dtype code (0..2; expect_section(e, code, s) then gives
+//! the packet's sections), or -1 when the header does not match (the caller sets kStatusCorrupt
+//! and writes nothing).
+__device__ __forceinline__ int checked_input(const PacketHeader& h, const HeaderExpect& e) {
+  int input = -1;
+  return check_header(h, e, &input) == HeaderFault::ok ? input : -1;
 }
 
 //! Read the 32-byte header at a 16-byte aligned address.
@@ -163,6 +141,21 @@ __device__ __forceinline__ void store_header(uint8_t* packet, const PacketHeader
   memcpy(w, &h, sizeof h);
   reinterpret_cast<uint4*>(packet)[0] = w[0];
   reinterpret_cast<uint4*>(packet)[1] = w[1];
+}
+
+//! Finish a packet from one block (the elected last block of an encode): thread 0 writes the header
+//! with `flags` and the key section of keyed codecs; the block zeroes the padding of the layout.
+__device__ __forceinline__ void finish_packet_block(uint8_t* packet, const PacketLayout& l, uint8_t flags,
+                                                    const EncodeContext& ctx) {
+  if (threadIdx.x == 0) {
+    PacketHeader h = l.header;
+    h.flags = flags;
+    store_header(packet, h);
+    if (l.key_section >= 0) store_key(packet + l.sections[l.key_section].offset, ctx);
+  }
+  for_each_padding(l, [&](int64_t b, int64_t e) {
+    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) packet[i] = 0;
+  });
 }
 
 //! Last-block election: every block calls it once after its global writes; true in the block that

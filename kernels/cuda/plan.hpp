@@ -61,6 +61,11 @@ GRADCOMP_PLAN_HD constexpr int64_t topk_grid(int64_t n, int sm_count) {
   return max64(1, min64(g, kMaxGrid));
 }
 
+//! The largest n the multi-block top-k serves: kMaxGrid tiles of fewer than 2^31 elements each
+//! (about 2^43; the core accepts up to 2^56 elements, so the host refuses larger inputs with
+//! Unsupported rather than letting the in-tile u32 offsets wrap).
+GRADCOMP_PLAN_HD constexpr int64_t topk_max_numel() { return kMaxGrid * (kMaxTile / kItems - 1) * kItems; }
+
 //! Tile [begin, end) of block g out of G: contiguous, in index order, boundaries at multiples of
 //! kItems (so 16-byte vector loads stay aligned) except the final end = n.
 struct Range {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-side helpers of the CUDA backend: errors, device guard, SM count cache, the status word,
-// version string.
+// version string (the DeviceRuntime table the core reaches through cuda_runtime()).
 #include <array>
 #include <atomic>
 #include <string>
@@ -14,12 +14,31 @@ void throw_cuda_error(cudaError_t e, const char* call, const char* file, int lin
                                  cudaGetErrorString(e), ") at ", file, ":", line));
 }
 
+bool primary_context_active(int device) {
+  using GetState = int (*)(int, unsigned int*, int*); // CUresult cuDevicePrimaryCtxGetState(CUdevice, unsigned*, int*)
+  static const GetState fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<GetState>(f);
+  }();
+  if (fn == nullptr) return false;
+  unsigned int flags = 0;
+  int active = 0;
+  return fn(device, &flags, &active) == 0 && active != 0;
+}
+
 DeviceGuard::DeviceGuard(int device) {
   int cur = 0;
   GRADCOMP_CUDA_CHECK(cudaGetDevice(&cur));
   if (cur != device) {
+    // Remember the previous device only if the thread really used it: cudaGetDevice reports 0 for
+    // a thread that never touched a device, and making device 0 current again on exit would
+    // create a context there.
+    if (primary_context_active(cur)) prev_ = cur;
     GRADCOMP_CUDA_CHECK(cudaSetDevice(device));
-    prev_ = cur;
   }
 }
 DeviceGuard::~DeviceGuard() {
@@ -38,13 +57,17 @@ int sm_count(int device) {
   return v;
 }
 
-uint32_t read_status(const uint8_t* workspace, Stream stream, bool clear) {
-  // The one entry point that synchronizes (DESIGN.md section 3: gradcomp.check).
+namespace {
+uint32_t read_status(const Tensor& workspace, Stream stream, bool clear) {
+  // The one entry point that synchronizes (DESIGN.md section 3: gradcomp.check). On the
+  // workspace's device: the stream belongs to it.
+  DeviceGuard guard(workspace.device.index);
   const cudaStream_t s = to_cuda(stream);
+  auto* w = static_cast<uint8_t*>(workspace.data);
   uint32_t v = 0;
-  GRADCOMP_CUDA_CHECK(cudaMemcpyAsync(&v, workspace, sizeof v, cudaMemcpyDeviceToHost, s));
+  GRADCOMP_CUDA_CHECK(cudaMemcpyAsync(&v, w, sizeof v, cudaMemcpyDeviceToHost, s));
   GRADCOMP_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (clear) GRADCOMP_CUDA_CHECK(cudaMemsetAsync(const_cast<uint8_t*>(workspace), 0, sizeof v, s));
+  if (clear) GRADCOMP_CUDA_CHECK(cudaMemsetAsync(w, 0, sizeof v, s));
   return v;
 }
 
@@ -53,5 +76,8 @@ const char* cuda_version() {
       std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
   return v.c_str();
 }
+} // namespace
+
+const DeviceRuntime runtime = {&read_status, &cuda_version};
 
 } // namespace gradcomp::detail::cuda

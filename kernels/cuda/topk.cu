@@ -27,6 +27,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "../core/codecs/topk.hpp"
 #include "common.cuh"
 
 namespace gradcomp::detail::cuda {
@@ -64,10 +65,12 @@ struct TopKArgs {
   uint32_t* cand_key;
   uint32_t* cand_idx;
   uint8_t* packet;
+  int64_t index_offset;
   int64_t values_offset;
   int index_u64;
   int value_dtype; //!< 0 float32, 1 float16, 2 bfloat16
-  PacketHeader hdr;
+  PacketLayout layout; //!< header (flags 0), sections, padding
+  EncodeContext ctx;
 };
 
 struct Shared {
@@ -97,7 +100,7 @@ template <class In, bool HasRes> __device__ __forceinline__ float xprime(const T
 template <class In, bool HasRes>
 __device__ __forceinline__ void xprime8(const TopKArgs& a, int64_t base, int nv, float (&v)[kItems]) {
   if (a.vec && nv == kItems) {
-    if constexpr (HasRes) load8<DF32>(a.r + base, v);
+    if constexpr (HasRes) load8<F32>(a.r + base, v);
     else load8<In>(static_cast<const typename In::storage*>(a.x) + base, v);
   } else {
 #pragma unroll
@@ -117,7 +120,7 @@ __device__ __forceinline__ float store_value(const TopKArgs& a, int64_t pos, flo
   return a.value_dtype == 1 ? common::half_bits_to_float(c) : common::bf16_bits_to_float(c);
 }
 __device__ __forceinline__ void store_index(const TopKArgs& a, int64_t pos, int64_t i) {
-  uint8_t* idx = a.packet + kHeaderBytes;
+  uint8_t* idx = a.packet + a.index_offset;
   if (a.index_u64) reinterpret_cast<uint64_t*>(idx)[pos] = uint64_t(i);
   else reinterpret_cast<uint32_t*>(idx)[pos] = uint32_t(i);
 }
@@ -135,7 +138,7 @@ template <class In, bool HasRes> __device__ void pass0_block(const TopKArgs& a, 
       load8<In>(xs + base, v);
       if constexpr (HasRes) {
         float rv[kItems];
-        load8<DF32>(a.r + base, rv);
+        load8<F32>(a.r + base, rv);
 #pragma unroll
         for (int j = 0; j < kItems; ++j) v[j] = add_rn(v[j], rv[j]);
         store8f(a.r + base, v);
@@ -260,6 +263,13 @@ __device__ void choose(const TopKArgs& a, int level, Shared& sh) {
     v[j] = __ldcg(h + (kB - 1 - (int(threadIdx.x) * kPer + j)));
     s += v[j];
   }
+  // Defaults for a histogram in which no bucket reaches k_rem (cannot happen for 1 <= k_rem <=
+  // the class size; keeps the state defined if it did): bucket 0, everything above it taken.
+  if (threadIdx.x == 0) {
+    sh.bucket = 0;
+    sh.acc = 0;
+  }
+  __syncthreads();
   unsigned long long acc = 0;
   cub::BlockScan<unsigned long long, kThreads>(sh.tmp.scan_ull).ExclusiveSum(s, acc);
   const unsigned long long need = (unsigned long long)k_rem;
@@ -389,18 +399,12 @@ template <class In, bool HasRes> __device__ void write_block(const TopKArgs& a, 
   if (__syncthreads_or(nf) && threadIdx.x == 0) atomicOr(&a.st->flag, 1u);
 }
 
-// ---- the elected block: header and section padding ---------------------------------------------------
+// ---- the elected block: header, padding -------------------------------------------------------------
 __device__ void write_header(const TopKArgs& a) {
-  if (threadIdx.x == 0) {
-    PacketHeader h = a.hdr;
-    h.flags = atomicOr(&a.st->flag, 0u) ? kFlagNonFinite : 0;
-    store_header(a.packet, h);
-  }
-  // Zero the padding after each section so packets are byte-deterministic (each pad < 16 bytes).
-  const int64_t idx_end = kHeaderBytes + a.k * (a.index_u64 ? 8 : 4);
-  if (idx_end + threadIdx.x < a.values_offset) a.packet[idx_end + threadIdx.x] = 0;
-  const int64_t val_end = a.values_offset + a.k * (a.value_dtype == 0 ? 4 : 2);
-  if (val_end + threadIdx.x < align16(val_end)) a.packet[val_end + threadIdx.x] = 0;
+  __shared__ uint32_t s_flag;
+  if (threadIdx.x == 0) s_flag = atomicOr(&a.st->flag, 0u);
+  __syncthreads();
+  finish_packet_block(a.packet, a.layout, s_flag ? kFlagNonFinite : 0, a.ctx);
 }
 
 // ---- kernels ----------------------------------------------------------------------------------------
@@ -479,23 +483,15 @@ template <class In, bool HasRes> __global__ void __launch_bounds__(kThreads) top
   if (elect_last_block(&a.st->counter[plan::kCounterDense], &s_last)) write_header(a);
 }
 
-template <class F> decltype(auto) dispatch(DType t, F&& f) {
-  switch (t) {
-    case DType::float16: return f(DF16{});
-    case DType::bfloat16: return f(DBF16{});
-    default: return f(DF32{});
-  }
-}
-
 int dtype_code(DType t) { return t == DType::float16 ? 1 : t == DType::bfloat16 ? 2 : 0; }
 
 // ---- decode --------------------------------------------------------------------------------------------
 template <class O>
 __global__ void __launch_bounds__(kThreads) topk_zero_kernel(const uint8_t* __restrict__ packet,
                                                              typename O::storage* __restrict__ out, int64_t n,
-                                                             bool vec, DeviceExpect e) {
+                                                             bool vec, HeaderExpect e) {
   __shared__ bool s_ok;
-  if (threadIdx.x == 0) s_ok = check_header(load_header(packet), e) >= 0;
+  if (threadIdx.x == 0) s_ok = checked_input(load_header(packet), e) >= 0;
   __syncthreads();
   if (!s_ok) return; // corrupt: write nothing (the scatter kernel reports it)
   using OS = typename O::storage;
@@ -514,26 +510,36 @@ __global__ void __launch_bounds__(kThreads) topk_zero_kernel(const uint8_t* __re
 template <class O, bool Acc>
 __global__ void __launch_bounds__(kThreads) topk_scatter_kernel(const uint8_t* __restrict__ packet,
                                                                 typename O::storage* __restrict__ out, int64_t n,
-                                                                int64_t k, int64_t values_offset, int index_u64,
-                                                                float alpha, DeviceExpect e, uint32_t* status) {
-  __shared__ int s_wire;
+                                                                int64_t k, float alpha, HeaderExpect e,
+                                                                uint32_t* status) {
+  __shared__ int s_input;
+  __shared__ int64_t s_index_offset, s_values_offset;
+  __shared__ DType s_index_dtype, s_values_dtype;
   __shared__ bool s_nonfinite;
   if (threadIdx.x == 0) {
     const PacketHeader h = load_header(packet);
-    const int wire = check_header(h, e);
-    const bool nonfinite = wire >= 0 && (h.flags & kFlagNonFinite) != 0;
+    const int input = checked_input(h, e);
+    const bool nonfinite = input >= 0 && (h.flags & kFlagNonFinite) != 0;
     if (blockIdx.x == 0) {
-      if (wire < 0) atomicOr(status, kStatusCorrupt);
+      if (input < 0) atomicOr(status, kStatusCorrupt);
       else if (nonfinite) atomicOr(status, kStatusNonFinite);
     }
-    s_wire = wire;
+    if (input >= 0) {
+      const PacketSection isec = expect_section(e, input, 0), vsec = expect_section(e, input, 1);
+      s_index_offset = isec.offset;
+      s_index_dtype = isec.dtype;
+      s_values_offset = vsec.offset;
+      s_values_dtype = vsec.dtype;
+    }
+    s_input = input;
     s_nonfinite = nonfinite;
   }
   __syncthreads();
-  const int wire = s_wire;
-  if (wire < 0) return;
-  const uint8_t* idx = packet + kHeaderBytes;
-  const uint8_t* vals = packet + values_offset;
+  if (s_input < 0) return;
+  const uint8_t* idx = packet + s_index_offset;
+  const uint8_t* vals = packet + s_values_offset;
+  const DType values_dtype = s_values_dtype;
+  const bool index_u64 = s_index_dtype == DType::uint64;
   auto index_at = [&](int64_t j) -> uint64_t {
     return index_u64 ? reinterpret_cast<const uint64_t*>(idx)[j] : reinterpret_cast<const uint32_t*>(idx)[j];
   };
@@ -547,7 +553,7 @@ __global__ void __launch_bounds__(kThreads) topk_scatter_kernel(const uint8_t* _
       bad = 1;
       continue;
     }
-    const float t = mul_rn(load_dyn(vals, wire, j), alpha);
+    const float t = mul_rn(load_dyn(vals, values_dtype, j), alpha);
     out[i] = O::store(Acc ? add_rn(O::load(out[i]), t) : t);
   }
   // Global thread 0 handled entry 0, the only one that may write out[0].
@@ -555,27 +561,26 @@ __global__ void __launch_bounds__(kThreads) topk_scatter_kernel(const uint8_t* _
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(status, kStatusCorrupt);
 }
 
-} // namespace
+int64_t workspace_bytes(const TopKPlan& p) { return plan::topk_layout(p.numel).bytes; }
 
-int64_t topk_workspace_bytes(const TopKPlan& p) { return plan::topk_layout(p.numel).bytes; }
-
-void topk_encode(const TopKPlan& p, const Tensor& x, float* residual, uint8_t* packet, const PacketHeader& hdr,
-                 uint8_t* workspace, int64_t workspace_bytes, float divisor, Stream stream) {
-  DeviceGuard guard(x.device.index);
-  const cudaStream_t s = to_cuda(stream);
+void encode(const TopKPlan& p, const EncodeArgs& args) {
+  GRADCOMP_CHECK(p.numel <= plan::topk_max_numel(), Unsupported, "topk encode on CUDA: ", p.numel,
+                 " elements; the CUDA top-k handles at most ", plan::topk_max_numel(),
+                 " (per-tile offsets are 32-bit)");
+  DeviceGuard guard(args.x.device.index);
+  const cudaStream_t s = to_cuda(args.stream);
   const plan::TopKLayout L = plan::topk_layout(p.numel);
-  GRADCOMP_CHECK(workspace_bytes >= L.bytes, InvalidArgument, "topk encode: workspace holds ", workspace_bytes,
-                 " bytes, needs ", L.bytes);
+  uint8_t* workspace = args.workspace;
   GRADCOMP_CUDA_CHECK(cudaMemsetAsync(workspace + L.zero_begin, 0, size_t(L.zero_end - L.zero_begin), s));
-  const int sms = sm_count(x.device.index);
+  const int sms = sm_count(args.x.device.index);
   TopKArgs a{};
-  a.x = x.data;
-  a.r = residual;
+  a.x = args.x.data;
+  a.r = args.residual;
   a.n = p.numel;
   a.k = p.k;
-  a.div = divisor;
-  a.div1 = divisor == 1.0f;
-  a.vec = aligned16(x.data) && (residual == nullptr || aligned16(residual));
+  a.div = args.divisor;
+  a.div1 = args.divisor == 1.0f;
+  a.vec = aligned16(args.x.data) && (args.residual == nullptr || aligned16(args.residual));
   a.G = plan::topk_grid(p.numel, sms);
   a.seg_cap = plan::topk_segment_capacity(p.numel, a.G);
   a.st = reinterpret_cast<TopKState*>(workspace + L.state);
@@ -587,11 +592,13 @@ void topk_encode(const TopKPlan& p, const Tensor& x, float* residual, uint8_t* p
   a.take = reinterpret_cast<int64_t*>(workspace + L.take);
   a.cand_key = reinterpret_cast<uint32_t*>(workspace + L.cand_key);
   a.cand_idx = reinterpret_cast<uint32_t*>(workspace + L.cand_idx);
-  a.packet = packet;
+  a.packet = args.packet;
+  a.index_offset = p.layout.sections[0].offset;
   a.values_offset = p.values_offset;
   a.index_u64 = p.index_dtype == DType::uint64 ? 1 : 0;
   a.value_dtype = dtype_code(p.value_dtype);
-  a.hdr = hdr;
+  a.layout = p.layout;
+  a.ctx = args.ctx;
   const unsigned G = unsigned(a.G);
   auto run = [&](auto in, auto has_res) {
     using In = decltype(in);
@@ -616,44 +623,37 @@ void topk_encode(const TopKPlan& p, const Tensor& x, float* residual, uint8_t* p
       GRADCOMP_CUDA_CHECK_LAUNCH("topk_write_kernel");
     }
   };
-  dispatch(p.input, [&](auto in) {
-    if (residual) run(in, std::true_type{});
+  common::dispatch_float(p.input, [&](auto in) {
+    if (args.residual) run(in, std::true_type{});
     else run(in, std::false_type{});
-  });
+  }, "topk: input");
 }
 
-void topk_decode(const TopKPlan& p, const uint8_t* packet, const Tensor& out, const HeaderExpect& expect,
-                 DecodeMode mode, float alpha, uint8_t* workspace, Stream stream) {
-  DeviceGuard guard(out.device.index);
-  const cudaStream_t s = to_cuda(stream);
-  DeviceExpect e{};
-  e.h = expect.header;
-  e.h.wire_dtype = static_cast<uint8_t>(p.value_dtype); // DType::none: the header's input dtype
-  e.h.index_dtype = static_cast<uint8_t>(p.index_dtype);
-  e.capacity = expect.packet_capacity;
-  e.fixed_bytes = p.values_offset;
-  e.wire_count = p.k;
-  e.check_index = 1;
-  const int sms = sm_count(out.device.index);
-  auto* status = reinterpret_cast<uint32_t*>(workspace);
-  const bool vec = aligned16(out.data);
-  const int index_u64 = p.index_dtype == DType::uint64 ? 1 : 0;
+void decode(const TopKPlan& p, const DecodeArgs& a) {
+  DeviceGuard guard(a.out.device.index);
+  const cudaStream_t s = to_cuda(a.stream);
+  const int sms = sm_count(a.out.device.index);
+  auto* status = reinterpret_cast<uint32_t*>(a.workspace);
+  const bool vec = aligned16(a.out.data);
   const auto scatter = unsigned(plan::scatter_blocks(p.k, sms));
-  dispatch(out.dtype, [&](auto o) {
+  const HeaderExpect& e = *a.expect;
+  common::dispatch_float(a.out.dtype, [&](auto o) {
     using O = decltype(o);
-    auto* op = static_cast<typename O::storage*>(out.data);
-    if (mode == DecodeMode::assign) {
+    auto* op = static_cast<typename O::storage*>(a.out.data);
+    if (a.mode == DecodeMode::assign) {
       const auto blocks = unsigned(plan::elementwise_blocks(p.numel, sms));
-      topk_zero_kernel<O><<<blocks, kThreads, 0, s>>>(packet, op, p.numel, vec, e);
+      topk_zero_kernel<O><<<blocks, kThreads, 0, s>>>(a.packet, op, p.numel, vec, e);
       GRADCOMP_CUDA_CHECK_LAUNCH("topk_zero_kernel");
-      topk_scatter_kernel<O, false><<<scatter, kThreads, 0, s>>>(packet, op, p.numel, p.k, p.values_offset,
-                                                                 index_u64, alpha, e, status);
+      topk_scatter_kernel<O, false><<<scatter, kThreads, 0, s>>>(a.packet, op, p.numel, p.k, a.alpha, e, status);
     } else {
-      topk_scatter_kernel<O, true><<<scatter, kThreads, 0, s>>>(packet, op, p.numel, p.k, p.values_offset,
-                                                                index_u64, alpha, e, status);
+      topk_scatter_kernel<O, true><<<scatter, kThreads, 0, s>>>(a.packet, op, p.numel, p.k, a.alpha, e, status);
     }
     GRADCOMP_CUDA_CHECK_LAUNCH("topk_scatter_kernel");
-  });
+  }, "decode: out");
 }
+
+} // namespace
+
+const Kernels<TopKPlan> topk = {&workspace_bytes, &encode, &decode};
 
 } // namespace gradcomp::detail::cuda

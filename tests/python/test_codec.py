@@ -410,7 +410,8 @@ def test_cast_payload_view_sums(spec, in_dtype):
     n = 50
     rng = _rng(spec, in_dtype)
     c = gradcomp.Codec(spec)
-    assert c.properties == {"linear": True, "unbiased": spec == "none", "deterministic": True}
+    assert c.properties == {"linear": True, "unbiased": spec == "none", "deterministic": True,
+                            "exact_residual": True, "keyed": False}
     off, count, wire = c.payload(n, in_dtype)
     xs = [convert_input(rng.integers(-8, 8, n).astype(np.float32), in_dtype, "numpy") for _ in range(2)]
     ps = [c.encode(x) for x, _ in xs]

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "topk.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "../family.hpp"
+#include "../registry.hpp"
+
+namespace gradcomp::detail {
+namespace {
+
+enum class IndexMode { automatic, u32, u64 };
+
+class TopKCodec final : public FamilyCodec<TopKPlan> {
+ public:
+  explicit TopKCodec(const ParsedSpec& s) {
+    const bool has_ratio = s.options.count("ratio") > 0;
+    has_k_ = s.options.count("k") > 0;
+    GRADCOMP_CHECK(has_ratio != has_k_, InvalidArgument, "codec spec '", s.text,
+                   "': topk needs exactly one of ratio= (in (0, 1]) or k= (an integer >= 0)");
+    if (has_ratio) {
+      const std::string& v = s.options.find("ratio")->second;
+      ratio_ = parse_double(s, "ratio", v, "0 < ratio <= 1");
+      GRADCOMP_CHECK(ratio_ > 0.0 && ratio_ <= 1.0, InvalidArgument, "codec spec '", s.text, "': ratio=", v,
+                     " is out of range; accepted: 0 < ratio <= 1");
+    } else {
+      const std::string& v = s.options.find("k")->second;
+      k_ = parse_int(s, "k", v, "an integer >= 0");
+      GRADCOMP_CHECK(k_ >= 0, InvalidArgument, "codec spec '", s.text, "': k=", v,
+                     " is out of range; accepted: an integer >= 0");
+    }
+    if (auto it = s.options.find("index"); it != s.options.end()) {
+      if (it->second == "auto") index_ = IndexMode::automatic;
+      else if (it->second == "u32") index_ = IndexMode::u32;
+      else if (it->second == "u64") index_ = IndexMode::u64;
+      else
+        throw InvalidArgument(concat("codec spec '", s.text, "': index='", it->second,
+                                     "' is not accepted; accepted: auto, u32, u64"));
+    }
+    if (auto it = s.options.find("value_dtype"); it != s.options.end()) {
+      if (it->second == "auto") value_ = DType::none;
+      else if (it->second == "float32" || it->second == "float16" || it->second == "bfloat16")
+        value_ = dtype_from_name(it->second);
+      else
+        throw InvalidArgument(concat("codec spec '", s.text, "': value_dtype='", it->second,
+                                     "' is not accepted; accepted: auto, float32, float16, bfloat16"));
+    }
+    std::string c = has_k_ ? "topk:k=" + std::to_string(k_) : "topk:ratio=" + format_double(ratio_);
+    if (index_ == IndexMode::u32) c += ",index=u32";
+    if (index_ == IndexMode::u64) c += ",index=u64";
+    if (value_ != DType::none) c += ",value_dtype=" + std::string(dtype_name(value_));
+    set_spec(std::move(c));
+  }
+  CodecProperties properties() const noexcept override {
+    CodecProperties p;
+    p.linear = false;
+    p.unbiased = false;
+    p.deterministic = true;
+    p.exact_residual = true;
+    return p;
+  }
+
+  //! k = min(n, max(1, ceil(ratio * n))) in binary64, or min(k=, n).
+  int64_t main_param(int64_t n) const override {
+    check_numel_dtype(n, DType::float32, "main_param");
+    if (has_k_) return std::min(k_, n);
+    const double k = std::ceil(ratio_ * static_cast<double>(n));
+    return std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(k)));
+  }
+
+ protected:
+  TopKPlan make_plan(int64_t n, DType in, Device) const override {
+    TopKPlan p;
+    p.input = in;
+    p.numel = n;
+    p.k = main_param(n);
+    p.index_dtype = index_dtype(n);
+    p.value_dtype = value_ == DType::none ? in : value_;
+    // AIR-style adaptive candidate buffer: candidates are buffered only while they are few.
+    p.candidate_capacity = std::min<int64_t>(n, n / 16 + 4096);
+    p.threads = cpu_threads_for(n);
+    LayoutBuilder b(*this, n, in);
+    b.wire(p.value_dtype).index(p.index_dtype).main_param(p.k);
+    b.section("indices", p.k, p.index_dtype);
+    const int v = b.section("values", p.k, p.value_dtype);
+    p.layout = b.build();
+    p.values_offset = p.layout.sections[v].offset;
+    return p;
+  }
+  Backends<TopKPlan> backends() const override { return {&cpu::topk, GRADCOMP_CUDA_KERNELS(cuda::topk)}; }
+
+ private:
+  DType index_dtype(int64_t n) const {
+    constexpr int64_t kU32Limit = int64_t(1) << 32;
+    if (index_ == IndexMode::u64) return DType::uint64;
+    GRADCOMP_CHECK(!(index_ == IndexMode::u32 && n > kU32Limit), InvalidArgument, "topk: ", n,
+                   " elements need 64-bit indices but the spec says index=u32 (use index=auto or index=u64)");
+    return n > kU32Limit ? DType::uint64 : DType::uint32;
+  }
+
+  bool has_k_ = false;
+  double ratio_ = 0;
+  int64_t k_ = 0;
+  IndexMode index_ = IndexMode::automatic;
+  DType value_ = DType::none; //!< none: the input dtype
+};
+
+} // namespace
+
+std::unique_ptr<Codec> make_topk(const ParsedSpec& s) { return std::make_unique<TopKCodec>(s); }
+
+} // namespace gradcomp::detail

@@ -1,0 +1,100 @@
+// SPDX-License-Identifier: Apache-2.0
+// FamilyCodec<Plan>: the Codec implementation every codec family shares. A family provides
+//   * make_plan(numel, input, device): its Plan for one call (the packet layout in `plan.layout`,
+//     the CPU thread count in `plan.threads`, resolved once here), and
+//   * backends(): its Kernels<Plan> tables ({&cpu::table, GRADCOMP_CUDA_KERNELS(cuda::table)}),
+// and this class derives packet_bytes, layout, payload, workspace_bytes, the plan-dependent checks,
+// host header validation and dispatch from them. One plan per call: the workspace is checked and
+// the kernel runs with the same thread count.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+
+#include "backend.hpp"
+#include "layout.hpp"
+
+namespace gradcomp::detail {
+
+//! Element counts stay below 2^56 so that every byte count fits an int64.
+inline constexpr int64_t kMaxNumel = int64_t(1) << 56;
+
+//! Throws InvalidArgument for numel outside [0, 2^56) or a dtype that is not float32/float16/bfloat16.
+void check_numel_dtype(int64_t numel, DType dtype, const char* call);
+
+//! Threads a CPU kernel over n elements uses: 1 below 64 Ki elements, else get_num_threads().
+int cpu_threads_for(int64_t n);
+
+template <class Plan> class FamilyCodec : public Codec {
+ public:
+  int64_t packet_bytes(int64_t numel, DType dtype) const final {
+    check_numel_dtype(numel, dtype, "packet_bytes");
+    return make_plan(numel, dtype, Device{}).layout.bytes;
+  }
+  PacketLayout layout(int64_t numel, DType dtype) const final {
+    check_numel_dtype(numel, dtype, "layout");
+    return make_plan(numel, dtype, Device{}).layout;
+  }
+  std::optional<PayloadView> payload(int64_t numel, DType dtype) const final {
+    check_numel_dtype(numel, dtype, "payload");
+    const PacketLayout l = make_plan(numel, dtype, Device{}).layout;
+    if (l.payload_section < 0) return std::nullopt;
+    const PacketSection& s = l.sections[l.payload_section];
+    return PayloadView{s.offset, s.count, s.dtype};
+  }
+  int64_t workspace_bytes(int64_t numel, DType dtype, Device device) const final {
+    check_numel_dtype(numel, dtype, "workspace_bytes");
+    const Plan p = make_plan(numel, dtype, device);
+    return std::max<int64_t>(kStatusBytes, select(backends(), device, *this).workspace_bytes(p));
+  }
+
+ protected:
+  virtual Plan make_plan(int64_t numel, DType input, Device device) const = 0;
+  virtual Backends<Plan> backends() const = 0;
+  void require_backend(Device device) const final { (void)select(backends(), device, *this); }
+
+  void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& ws, Stream stream,
+                   float divisor, const EncodeContext& ctx) const final {
+    const Plan p = make_plan(x.numel, x.dtype, x.device);
+    const Kernels<Plan>& k = select(backends(), x.device, *this);
+    const int64_t need = std::max<int64_t>(kStatusBytes, k.workspace_bytes(p));
+    GRADCOMP_CHECK(ws.nbytes() >= need, InvalidArgument, "encode: workspace holds ", ws.nbytes(), " bytes but codec '",
+                   spec(), "' needs workspace_bytes(", x.numel, ", ", dtype_name(x.dtype), ") = ", need,
+                   " (at ", p.threads, " CPU threads)");
+    EncodeArgs a;
+    a.x = x;
+    a.residual = residual ? residual->ptr<float>() : nullptr;
+    a.packet = packet.ptr<uint8_t>();
+    a.workspace = ws.ptr<uint8_t>();
+    a.workspace_bytes = ws.nbytes();
+    a.divisor = divisor;
+    a.ctx = ctx;
+    a.stream = stream;
+    k.encode(p, a);
+  }
+
+  void decode_impl(const Tensor& packet, const Tensor& out, const Tensor& ws, DecodeMode mode, float alpha,
+                   Stream stream) const final {
+    const Kernels<Plan>& k = select(backends(), out.device, *this);
+    const HeaderExpect e = make_expect(packet.nbytes(), [&](DType in) { return make_plan(out.numel, in, out.device).layout; });
+    DecodeArgs a;
+    a.packet = packet.ptr<uint8_t>();
+    a.packet_capacity = packet.nbytes();
+    a.out = out;
+    a.workspace = ws.data ? ws.ptr<uint8_t>() : nullptr;
+    a.mode = mode;
+    a.alpha = alpha;
+    a.stream = stream;
+    if (out.device.kind == DeviceKind::cpu) {
+      PacketHeader h;
+      std::memcpy(&h, packet.data, sizeof h);
+      a.input = validate_header(h, e, *this);
+      k.decode(make_plan(out.numel, a.input, out.device), a);
+    } else {
+      a.expect = &e;
+      k.decode(make_plan(out.numel, DType::float32, out.device), a);
+    }
+  }
+};
+
+} // namespace gradcomp::detail

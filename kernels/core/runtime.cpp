@@ -1,0 +1,111 @@
+// SPDX-License-Identifier: Apache-2.0
+// dtype names, devices, the CPU thread setting and build_info.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+#include "backend.hpp"
+#include "family.hpp"
+#include "gradcomp/error.hpp"
+#include "gradcomp/types.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#ifndef GRADCOMP_CUDA_ARCHS
+#define GRADCOMP_CUDA_ARCHS ""
+#endif
+
+namespace gradcomp {
+
+std::string_view dtype_name(DType t) noexcept {
+  switch (t) {
+    case DType::float32: return "float32";
+    case DType::float16: return "float16";
+    case DType::bfloat16: return "bfloat16";
+    case DType::float8_e4m3fn: return "float8_e4m3fn";
+    case DType::float8_e5m2: return "float8_e5m2";
+    case DType::int8: return "int8";
+    case DType::uint8: return "uint8";
+    case DType::int32: return "int32";
+    case DType::int64: return "int64";
+    case DType::uint32: return "uint32";
+    case DType::uint64: return "uint64";
+    case DType::int4: return "int4";
+    case DType::uint1: return "uint1";
+    case DType::float8_e8m0fnu: return "float8_e8m0fnu";
+    case DType::none: return "none";
+  }
+  return "unknown";
+}
+
+DType dtype_from_name(std::string_view name) {
+  std::string list;
+  for (int i = 0; i <= kMaxDTypeCode; ++i) {
+    const auto t = static_cast<DType>(i);
+    if (dtype_name(t) == name) return t;
+    list += (i ? ", " : "") + std::string(dtype_name(t));
+  }
+  throw InvalidArgument(detail::concat("unknown dtype '", name, "'; accepted: ", list));
+}
+
+std::string to_string(Device d) {
+  return d.kind == DeviceKind::cpu ? std::string("cpu") : "cuda:" + std::to_string(d.index);
+}
+
+namespace {
+int default_threads() {
+  if (const char* env = std::getenv("GRADCOMP_NUM_THREADS")) {
+    char* end = nullptr;
+    long v = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && v >= 1 && v <= kMaxThreads) return static_cast<int>(v);
+  }
+#if defined(_OPENMP)
+  return std::clamp(omp_get_max_threads(), 1, kMaxThreads);
+#else
+  return 1;
+#endif
+}
+std::atomic<int>& thread_setting() {
+  static std::atomic<int> n{default_threads()};
+  return n;
+}
+} // namespace
+
+void set_num_threads(int n) {
+  GRADCOMP_CHECK(n >= 1 && n <= kMaxThreads, InvalidArgument, "set_num_threads(", n,
+                 "): the thread count must be in [1, ", kMaxThreads, "]");
+  thread_setting().store(n);
+}
+int get_num_threads() noexcept { return thread_setting().load(); }
+
+BuildInfo build_info() {
+  BuildInfo b;
+  b.version = GRADCOMP_VERSION;
+  if (const detail::DeviceRuntime* rt = detail::cuda_runtime()) {
+    b.cuda = true;
+    b.cuda_architectures = GRADCOMP_CUDA_ARCHS;
+    b.cuda_version = rt->version();
+  }
+#if defined(_OPENMP)
+  b.openmp = true;
+#endif
+  return b;
+}
+
+namespace detail {
+
+int cpu_threads_for(int64_t n) { return n < (int64_t(1) << 16) ? 1 : std::max(1, get_num_threads()); }
+
+void check_numel_dtype(int64_t numel, DType dtype, const char* call) {
+  GRADCOMP_CHECK(numel >= 0 && numel < kMaxNumel, InvalidArgument, call, ": numel ", numel,
+                 " is out of range; accepted: 0 <= numel < 2^56");
+  GRADCOMP_CHECK(is_gradient_dtype(dtype), InvalidArgument, call, ": dtype ", dtype_name(dtype),
+                 " is not accepted; accepted: float32, float16, bfloat16");
+}
+
+} // namespace detail
+} // namespace gradcomp

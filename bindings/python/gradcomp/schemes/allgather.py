@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .context import NULL_PROBE, SchemeContext, completed, encode_packet
+from .context import SchemeContext, completed, one_round
 
 
 def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
@@ -36,23 +36,15 @@ def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str
     W = ctx.world_size
     if W == 1:
         return completed(tensor)
-    probe = probe or NULL_PROBE
-    encode_packet(tensor, ctx, slots, probe)
-    t1 = probe.clock()
-    work = dist.all_gather_into_tensor(ctx.gathered, ctx.packet, group=ctx.group, async_op=True)
 
-    def done(f):
-        probe.tock("comm_s", t1)
-        t2 = probe.clock()
-        dec = ctx.dec_codec
-        ws = dec.workspace(ctx.packet)
+    def communicate():
+        return dist.all_gather_into_tensor(ctx.gathered, ctx.packet, group=ctx.group, async_op=True)
+
+    def decode(dec, ws):
         pbytes = ctx.packet.numel()
         ctx.acc.zero_()
         for r in range(W):
             dec.decode(ctx.gathered[r * pbytes: (r + 1) * pbytes], out=ctx.acc, accumulate=True, workspace=ws)
         tensor.view(-1).copy_(ctx.acc)
-        probe.decoded(ws)
-        probe.tock("decode_s", t2)
-        return tensor
 
-    return work.get_future().then(done)
+    return one_round(tensor, ctx, slots, probe, communicate, decode)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner import dtype_bytes
-from .context import NULL_PROBE, SchemeContext, completed, encode_packet
+from .context import NULL_PROBE, SchemeContext, completed, one_round
 
 
 def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
@@ -47,8 +47,9 @@ def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, t
     allreduce of the payload view ``codec.payload(numel, dtype)`` (the header stays local), decode
     the summed packet into ``tensor``.
 
-    For none/fp16/bf16 the payload is the numel values (summed in the order a dense allreduce
-    would) plus one wire element (0 or NaN) that keeps a non-finite value visible after the sum.
+    For none/fp16/bf16 the payload holds the numel values in order (summed as a dense allreduce
+    of them would be) and, where the codec defines one, a wire element (0 or NaN) that keeps a
+    non-finite value visible after the sum.
 
     Args:
         tensor: C-contiguous float32/float16/bfloat16, any shape taken as flat, reduced in place.
@@ -63,24 +64,15 @@ def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, t
         gradcomp.InvalidArgumentError: from encode (dtype, size, device).
         gradcomp.CorruptPacketError: (CPU, in the Future) a summed packet that fails validation.
     """
-    W = ctx.world_size
-    if W == 1:
+    if ctx.world_size == 1:
         return completed(tensor)
-    probe = probe or NULL_PROBE
-    encode_packet(tensor, ctx, slots, probe)
-    t1 = probe.clock()
-    off, cnt, wire = ctx.codec.payload(tensor.numel(), tensor.dtype)
-    view = ctx.packet[off: off + cnt * dtype_bytes(wire)].view(getattr(torch, wire))
-    work = dist.all_reduce(view, group=ctx.group, async_op=True)
 
-    def done(f):
-        probe.tock("comm_s", t1)
-        t2 = probe.clock()
-        dec = ctx.dec_codec
-        ws = dec.workspace(ctx.packet)
+    def communicate():
+        off, cnt, wire = ctx.codec.payload(tensor.numel(), tensor.dtype)
+        view = ctx.packet[off: off + cnt * dtype_bytes(wire)].view(getattr(torch, wire))
+        return dist.all_reduce(view, group=ctx.group, async_op=True)
+
+    def decode(dec, ws):
         dec.decode(ctx.packet, out=tensor, workspace=ws)
-        probe.decoded(ws)
-        probe.tock("decode_s", t2)
-        return tensor
 
-    return work.get_future().then(done)
+    return one_round(tensor, ctx, slots, probe, communicate, decode)

@@ -5,7 +5,7 @@ one bucket layout) and a probe; never the hook or compressor state, so nothing h
 upwards (dependency direction: torch -> schemes -> planner -> codec -> _C).
 """
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -92,11 +92,35 @@ def completed(tensor: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-def encode_packet(tensor: torch.Tensor, ctx: SchemeContext, slots, probe) -> None:
-    """Encode ``tensor`` into ``ctx.packet`` with ``divisor=W``, with error feedback through the
-    ``"residual"`` slot when ``slots`` holds one (the packet then carries ``fl((g + r) / W)``
-    compressed and ``r`` becomes ``g + r - W * decode(packet)``); timed as ``"encode_s"``."""
+def one_round(tensor: torch.Tensor, ctx: SchemeContext, slots, probe, communicate: Callable[[], Any],
+              decode: Callable[[Codec, torch.Tensor], None]) -> torch.futures.Future:
+    """The shape of a one-collective compressed scheme: encode, communicate, decode.
+
+    Encodes ``tensor`` into ``ctx.packet`` with ``divisor=W`` -- with error feedback through the
+    ``"residual"`` slot when ``slots`` holds one (the packet then carries ``(g + r) / W``
+    compressed and ``r`` becomes ``g + r - W * decode(packet)``) -- then launches
+    ``communicate()`` (an async ``torch.distributed`` Work over the packet) and, once it completes,
+    calls ``decode(dec_codec, workspace)``, which must leave the average in ``tensor``. Phases are
+    timed as ``"encode_s"``, ``"comm_s"``, ``"decode_s"``; the probe sees the decode workspace.
+
+    Returns:
+        A Future holding ``tensor`` (errors of the collective or the decode are raised by it).
+    """
+    probe = probe or NULL_PROBE
     residual = slots.get("residual") if slots else None
     t0 = probe.clock()
     ctx.codec.encode(tensor, residual=residual, out=ctx.packet, divisor=ctx.world_size)
     probe.tock("encode_s", t0)
+    t1 = probe.clock()
+    work = communicate()
+
+    def done(f):
+        probe.tock("comm_s", t1)
+        t2 = probe.clock()
+        ws = ctx.dec_codec.workspace(ctx.packet)
+        decode(ctx.dec_codec, ws)
+        probe.decoded(ws)
+        probe.tock("decode_s", t2)
+        return tensor
+
+    return work.get_future().then(done)

@@ -110,6 +110,11 @@ class Compressor:
     the result is returned as is (without a GradScaler an optimizer applies it) and the step is
     logged and counted in ``stats()["nonfinite_steps"]`` one step late.
 
+    Attributes:
+        codec: the :class:`gradcomp.Codec`; world_size, rank: of ``group``.
+        iter: steps completed (saved in ``state_dict()``).
+        store: the :class:`gradcomp.torch.residuals.ResidualStore` holding the residuals.
+
     Raises:
         ValueError: unknown scheme / nonfinite / on_corrupt, ``scheme="sum"`` with a non-linear
             codec, a negative min_compress_numel or log_every.
@@ -130,21 +135,32 @@ class Compressor:
         self.scheme = scheme
         self.error_feedback = error_feedback
         self.min_compress_numel = int(min_compress_numel)
-        self.nonfinite = nonfinite
-        self.on_corrupt = on_corrupt
-        self.log_every = int(log_every)
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.iter = 0  # steps completed
         self.store = ResidualStore(nonfinite)
-        self._stats = Stats(self.world_size, self.codec.spec, nonfinite, on_corrupt, self.log_every)
+        self._stats = Stats(self.world_size, self.codec.spec, nonfinite, on_corrupt, int(log_every))
         self._routes: Dict[tuple, _Route] = {}
         self._dense_ctx = SchemeContext(self.codec, group, self.world_size)
         self._warned: set = set()
         self._names: Dict[str, Tuple[int, torch.device]] = {}  # allreduce()/load names: numel, device
         self._fallback: set = set()  # keys that took the dense path for their dtype or layout
         self._step_names: set = set()
+
+    nonfinite = property(lambda self: self.store.nonfinite, doc="``\"restore\"`` or ``\"reset\"`` (read-only).")
+    log_every = property(lambda self: self._stats.log_every, doc="Steps between stats log lines (read-only).")
+
+    @property
+    def on_corrupt(self) -> str:
+        """``"raise"`` or ``"log"``: what a corrupt packet seen by a CUDA decode does when its
+        status word is read (one step later). Settable, e.g. ``state.compressor.on_corrupt = "log"``
+        for the DDP hook."""
+        return self._stats.on_corrupt
+
+    @on_corrupt.setter
+    def on_corrupt(self, mode: str) -> None:
+        self._stats.on_corrupt = mode  # validated there
 
     # -- reducing ------------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.futures.Future:
@@ -366,14 +382,13 @@ class Compressor:
                 "iter": self.iter, "error_feedback": self.error_feedback, "residuals": self.store.state()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Load a ``state_dict()`` of the same rank, bit-exact. With another world size the
-        residuals are dropped (a warning). A residual lands where its name lives, or waits (on
-        the device it was loaded to) for the first reduction of that name.
+        """Load a ``state_dict()`` of the same rank, bit-exact, and its step count. With another
+        world size the residuals are dropped (a warning). A residual lands where its name lives,
+        or waits (on the device it was loaded to) for the first reduction of that name.
 
         Raises:
-            ValueError: a residual whose numel differs from its name's tensor.
+            ValueError: a residual whose numel differs from its name's tensor (nothing is loaded).
         """
-        self.iter = int(sd.get("iter", 0))
         res = sd.get("residuals", {})
         if int(sd.get("world_size", self.world_size)) != self.world_size:
             msg = (f"gradcomp: checkpoint from world size {sd.get('world_size')} loaded at world size "
@@ -388,6 +403,7 @@ class Compressor:
             if want is not None and t.numel() != want:
                 raise ValueError(f"load_state_dict: residual {name!r} has {t.numel()} elements, its tensor has {want}")
             flat[name] = t
+        self.iter = int(sd.get("iter", 0))
         for name, t in flat.items():
             self.store.load(name, t)
             self._names.setdefault(name, (t.numel(), t.device))

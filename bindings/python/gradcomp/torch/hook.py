@@ -77,6 +77,11 @@ class CompressionState:
     Buckets of dtypes other than float32, float16, bfloat16 and sparse buckets take the dense
     path (one warning). World size 1 returns the bucket unchanged.
 
+    Attributes:
+        compressor: the :class:`gradcomp.torch.Compressor` doing the work (e.g.
+            ``state.compressor.on_corrupt = "log"``).
+        start_iter: as above; ``iter``: synchronized steps seen.
+
     Raises:
         ValueError: unknown scheme or nonfinite mode, a ``sum`` scheme with a non-linear codec,
             negative start_iter / min_compress_numel.

@@ -81,6 +81,7 @@ class Probe:
         self.cuda = device.type == "cuda"
 
     def clock(self):
+        """A start token: a recorded CUDA timing event on CUDA, ``time.perf_counter()`` else."""
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -88,6 +89,8 @@ class Probe:
         return time.perf_counter()
 
     def tock(self, field: str, start) -> None:
+        """Phase ``field`` (seconds) ended: CPU times are added now, CUDA events when the step
+        closes (if they have completed by then)."""
         if isinstance(start, float):
             self.stats.add_time(self.rec, self.bucket, field, time.perf_counter() - start)
         else:
@@ -97,6 +100,8 @@ class Probe:
                 self.rec.cuda_times.append((start, e, field, self.bucket))
 
     def decoded(self, workspace) -> None:
+        """A CUDA decode workspace has its status word copied out (:meth:`Stats.watch_status`);
+        a CPU decode has already raised on a corrupt packet."""
         if workspace.is_cuda:
             self.stats.watch_status(self.rec.step, self.label, workspace)
 
@@ -113,12 +118,10 @@ class Stats:
 
     def __init__(self, world_size: int, codec_spec: str, nonfinite: str = "restore",
                  on_corrupt: str = "raise", log_every: int = 0):
-        if on_corrupt not in CORRUPT_MODES:
-            raise ValueError(f"on_corrupt={on_corrupt!r}; accepted: {', '.join(CORRUPT_MODES)}")
+        self.on_corrupt = on_corrupt
         self.world_size = world_size
         self.codec_spec = codec_spec
         self.nonfinite = nonfinite
-        self.on_corrupt = on_corrupt
         self.log_every = log_every
         self.lock = threading.Lock()
         self.nonfinite_steps = 0
@@ -127,6 +130,21 @@ class Stats:
         self._closed_steps = 0
         self._unresolved: List[StepRecord] = []
         self._status: List[_StatusCopy] = []
+
+    @property
+    def on_corrupt(self) -> str:
+        """``"raise"`` or ``"log"``; settable.
+
+        Raises:
+            ValueError: another value.
+        """
+        return self._on_corrupt
+
+    @on_corrupt.setter
+    def on_corrupt(self, mode: str) -> None:
+        if mode not in CORRUPT_MODES:
+            raise ValueError(f"on_corrupt={mode!r}; accepted: {', '.join(CORRUPT_MODES)}")
+        self._on_corrupt = mode
 
     # -- recording -----------------------------------------------------------------------------
     def record(self, step: int) -> StepRecord:
@@ -148,6 +166,7 @@ class Stats:
             rec.buckets.append(b)
 
     def add_time(self, rec: StepRecord, b: dict, field: str, seconds: float) -> None:
+        """Add ``seconds`` to ``field`` of the bucket dict ``b`` and of its step ``rec``."""
         with self.lock:
             rec.v[field] += seconds
             b[field] = b.get(field, 0.0) + seconds
@@ -163,6 +182,7 @@ class Stats:
             rec.on_finite.append(fn)
 
     def probe(self, rec: StepRecord, b: dict, device: torch.device, label: str) -> Probe:
+        """The scheme probe of one call on ``device`` (``label`` names it in messages)."""
         return Probe(self, rec, b, device, label)
 
     # -- the CUDA status word ------------------------------------------------------------------
@@ -171,10 +191,10 @@ class Stats:
         pinned host memory (non_blocking) behind an event, then clear it on the device."""
         word = workspace[:4]
         host = torch.empty(4, dtype=torch.uint8, pin_memory=True)
-        host.copy_(word, non_blocking=True)
+        host.copy_(word, non_blocking=True)  # on the workspace device's current stream
         event = torch.cuda.Event()
-        event.record()
-        word.zero_()
+        event.record(torch.cuda.current_stream(workspace.device))
+        word.zero_()  # ordered after the copy on the same stream
         self.expect_status(step, label, host, event)
 
     def expect_status(self, step: int, label: str, host: torch.Tensor, event=None) -> None:

@@ -151,23 +151,16 @@ def to_dtype_f32(a, dtype):
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(getattr(torch, dtype.replace("torch.", ""))).float().numpy()
 
 
-def ref_topk(recs, world, ratio):
-    """numpy reference of one bucket over all ranks; recs[r] is rank r's record.
-    Returns (expected out as float32, [expected residual float32 per rank])."""
-    n = recs[0]["buf"].numel()
-    dtype = recs[0]["dtype"]
+def topk_average_ref(xps, ratio, dtype):
+    """numpy reference of the gather scheme with top-k over W ranks: xps[r] is rank r's
+    x' = g + r (float32, 1-D; zeros for a joined rank). Returns (expected average as float32,
+    [expected residual float32 per rank])."""
+    world = len(xps)
+    n = xps[0].size
     k = min(n, max(1, math.ceil(ratio * n)))
     acc = np.zeros(n, dtype=np.float32)
     res = []
-    for r in range(world):
-        rec = recs[r]
-        buf = rec["buf"].numpy().astype(np.float32)
-        if rec["joined"]:
-            xp = np.zeros(n, dtype=np.float32)
-        else:
-            order = np.argsort(rec["offsets"], kind="stable")
-            rb = np.concatenate([rec["res_before"][rec["names"][i]].numpy() for i in order]).astype(np.float32)
-            xp = (buf + rb).astype(np.float32)
+    for xp in xps:
         q = (xp / np.float32(world)).astype(np.float32)
         prio = np.where(np.isnan(q), 1, 0)
         key = np.where(np.isnan(q), 0, np.abs(q)).astype(np.float64)
@@ -177,8 +170,26 @@ def ref_topk(recs, world, ratio):
         acc[idx] = (acc[idx] + v).astype(np.float32)
         rn = xp.copy()
         rn[idx] = (xp[idx] - (np.float32(world) * v).astype(np.float32)).astype(np.float32)
-        res.append(rn if not rec["joined"] else None)
+        res.append(rn)
     return to_dtype_f32(acc, dtype), res
+
+
+def ref_topk(recs, world, ratio):
+    """numpy reference of one bucket over all ranks; recs[r] is rank r's record.
+    Returns (expected out as float32, [expected residual float32 per rank, None if joined])."""
+    assert len(recs) == world
+    n = recs[0]["buf"].numel()
+    xps = []
+    for rec in recs:
+        if rec["joined"]:
+            xps.append(np.zeros(n, dtype=np.float32))
+            continue
+        buf = rec["buf"].numpy().astype(np.float32)
+        order = np.argsort(rec["offsets"], kind="stable")
+        rb = np.concatenate([rec["res_before"][rec["names"][i]].numpy() for i in order]).astype(np.float32)
+        xps.append((buf + rb).astype(np.float32))
+    out, res = topk_average_ref(xps, ratio, recs[0]["dtype"])
+    return out, [None if rec["joined"] else r for rec, r in zip(recs, res)]
 
 
 class no_host_sync:
@@ -394,14 +405,18 @@ def job_checkpoint(rank, world):
     for k, v in st1.state_dict()["residuals"].items():
         assert torch.equal(v.view(torch.int32), st2.state_dict()["residuals"][k].view(torch.int32))
     # another world size: residuals dropped with a warning
-    m3 = ddp(_copy(base))
-    st3 = gt.register(m3, codec="topk:ratio=0.05", min_compress_numel=0)
+    check_world_size_change_drops(gt.register(ddp(_copy(base)), codec="topk:ratio=0.05", min_compress_numel=0),
+                                  sd, world)
+    return True
+
+
+def check_world_size_change_drops(state, sd, world):
+    """Loading ``sd`` as if saved at another world size drops the residuals, with a warning."""
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        st3.load_state_dict(dict(sd, world_size=world + 1))
+        state.load_state_dict(dict(sd, world_size=world + 1))
     assert any("world size" in str(x.message) for x in w)
-    assert st3.state_dict()["residuals"] == {}
-    return True
+    assert state.state_dict()["residuals"] == {}
 
 
 def test_checkpoint_round_trip_bit_exact():

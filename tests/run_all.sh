@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run every test: the GoogleTest suite (CUDA tests are built whenever nvcc is found
-# and skip without a GPU), the PTX check of the CUDA kernels, and the pytest suite.
+# and skip without a GPU), the PTX check of the CUDA kernels, the pytest suite (with the codec
+# contract suite gradcomp.testing), the GoogleTest suite again under AddressSanitizer + UBSan +
+# LeakSanitizer (tests/sanitize.sh), and the libFuzzer targets (tests/fuzz/run.sh).
 # Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +17,8 @@ if command -v nvcc >/dev/null 2>&1 && [ -f tests/gpu/check_ptx.sh ]; then
 fi
 echo "== pytest"
 .venv/bin/python -m pytest tests/python -q -p no:cacheprovider || status=1
+echo "== GoogleTest under AddressSanitizer + UBSan + LeakSanitizer (tests/sanitize.sh)"
+bash tests/sanitize.sh || status=1
+echo "== libFuzzer targets (tests/fuzz/run.sh)"
+bash tests/fuzz/run.sh || status=1
 exit $status

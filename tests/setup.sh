@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything gradcomp needs, idempotently, as root and non-interactively:
-#   Debian packages (compilers, CMake, DLPack, Random123, OpenBLAS, GoogleTest, Google Benchmark),
+#   Debian packages (compilers, CMake, DLPack, Random123, OpenBLAS, GoogleTest, Google Benchmark,
+#   clang with its sanitizer and libFuzzer runtimes for tests/sanitize.sh and tests/fuzz/run.sh),
 #   a project virtualenv .venv with pinned Python packages (tests/requirements.txt), and the
 #   gradcomp package built by scikit-build-core into .venv (build tree: build/py, which also holds
 #   the C++ tests and benchmarks; CUDA is built whenever nvcc is found, GRADCOMP_CUDA=AUTO).
@@ -8,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 debs=(cmake ninja-build g++ make libdlpack-dev librandom123-dev libopenblas-dev googletest libgtest-dev
-      libbenchmark-dev libomp-dev)
+      libbenchmark-dev libomp-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${debs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -116,13 +116,13 @@ std::unique_ptr<Encoded> encode_guarded(const Codec& c, const ref::Input& x, con
 std::vector<float> decode_guarded(const Codec& c, const GuardedBytes& packet, int64_t n, uint32_t* status = nullptr,
                           DecodeMode mode = DecodeMode::assign, std::vector<float> init = {}) {
   GuardedBytes out(n * 4, 0x5A);
-  if (!init.empty()) std::memcpy(out.data(), init.data(), size_t(n) * 4);
+  if (!init.empty() && n > 0) std::memcpy(out.data(), init.data(), size_t(n) * 4);
   GuardedBytes ws(16, 0);
   c.decode(packet.tensor(), {out.data(), DType::float32, n, {}}, ws.tensor(), mode, 1.0f);
   EXPECT_TRUE(out.guards_intact()) << "decode wrote outside out";
   EXPECT_TRUE(ws.guards_intact()) << "decode wrote outside the workspace";
   std::vector<float> v(static_cast<size_t>(n));
-  std::memcpy(v.data(), out.data(), size_t(n) * 4);
+  if (n > 0) std::memcpy(v.data(), out.data(), size_t(n) * 4);
   if (status) std::memcpy(status, ws.data(), 4);
   return v;
 }

@@ -17,6 +17,8 @@ if command -v nvcc >/dev/null 2>&1 && [ -f tests/gpu/check_ptx.sh ]; then
 fi
 echo "== pytest"
 .venv/bin/python -m pytest tests/python -q -p no:cacheprovider || status=1
+echo "== the codec contract suite (pytest --pyargs gradcomp.testing)"
+.venv/bin/python -m pytest --pyargs gradcomp.testing -q -p no:cacheprovider || status=1
 echo "== GoogleTest under AddressSanitizer + UBSan + LeakSanitizer (tests/sanitize.sh)"
 bash tests/sanitize.sh || status=1
 echo "== libFuzzer targets (tests/fuzz/run.sh)"

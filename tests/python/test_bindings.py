@@ -560,3 +560,30 @@ def test_workspace_cache_grows():
                                   topk_indices(big, 100_000)[:100])
     with pytest.raises(IAE, match="workspace holds 16 bytes"):
         c.encode(big, workspace=np.zeros(16, np.uint8))
+
+
+# ---- the registry and the layout -----------------------------------------------------------------
+def test_codecs_lists_the_registry():
+    cs = gradcomp.codecs()
+    by = {c["name"]: c for c in cs}
+    assert list(by)[:4] == ["none", "fp16", "bf16", "topk"]
+    assert {n: by[n]["id"] for n in ("none", "fp16", "bf16", "topk")} == {"none": 1, "fp16": 2, "bf16": 3, "topk": 4}
+    assert by["topk"]["keys"] == ["ratio", "k", "index", "value_dtype"] and by["fp16"]["keys"] == []
+    for c in cs:
+        assert c["examples"] and c["summary"]
+        for e in c["examples"]:
+            assert gradcomp.Codec(e).spec == e
+        assert c["properties"] == gradcomp.Codec(c["examples"][0]).properties
+
+
+def test_layout_of_topk_and_cast():
+    lay = gradcomp.Codec("topk:k=3,index=u64,value_dtype=bfloat16").layout(10, "float32")
+    assert lay["sections"] == [("indices", 32, 3, "uint64"), ("values", 64, 3, "bfloat16")]
+    assert lay["bytes"] == 80 and lay["key_section"] == -1 and lay["payload_section"] == -1
+    assert lay["main_param"] == 3 and lay["main_kind"] == "exact"
+    assert (lay["wire_dtype"], lay["index_dtype"]) == ("bfloat16", "uint64")
+    lay = gradcomp.Codec("none").layout(7, "float16")
+    assert lay["sections"] == [("payload", 32, 8, "float16")] and lay["payload_section"] == 0
+    assert lay["bytes"] == 48 and lay["wire_dtype"] == "float16" and lay["index_dtype"] == "none"
+    with pytest.raises(IAE, match="numel=-1"):
+        gradcomp.Codec("none").layout(-1)

@@ -18,12 +18,14 @@ from ._C import (  # noqa: F401
     get_num_threads,
     set_num_threads,
 )
-from .codec import Codec, build_info, check  # noqa: F401
+from .codec import Codec, aligned_empty, build_info, check, codecs  # noqa: F401
 
 __version__ = build_info()["version"]
 
 __all__ = [
     "Codec",
+    "aligned_empty",
+    "codecs",
     "CorruptPacketError",
     "CudaError",
     "Error",

@@ -139,12 +139,38 @@ def _device_key(t: Any) -> str:
     return str(t.device) if _is_torch(t) else "cpu"
 
 
+def codecs() -> list:
+    """Every registered codec, in registry order (the C++ table kernels/core/registry.cpp).
+
+    Returns a list of dicts ``{"name": str, "id": int (header bytes 6-7), "keys": [str] (the
+    spec keys it accepts), "properties": dict (of its first example; see Codec.properties),
+    "examples": [str] (canonical example specs; the contract suite gradcomp.testing runs each),
+    "summary": str (what it does and its source)}``.
+    """
+    return _C.list_codecs()
+
+
+def _key(key: Any) -> tuple[int, int, int]:
+    """An EncodeContext (seed, step, bucket): integers in [0, 2^64), [0, 2^32), [0, 2^32)."""
+    if key is None:
+        return 0, 0, 0
+    if not isinstance(key, (tuple, list)) or len(key) != 3:
+        raise _C.InvalidArgumentError(f"key={key!r}: expected a tuple (seed, step, bucket) of three integers")
+    out = []
+    for v, name, bits in zip(key, ("seed", "step", "bucket"), (64, 32, 32)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < (1 << bits):
+            raise _C.InvalidArgumentError(f"key: {name}={v!r} is not an integer in [0, 2^{bits})")
+        out.append(int(v))
+    return out[0], out[1], out[2]
+
+
 class Codec:
     """A gradient codec built from a spec string ``name[:key=value,...]``.
 
-    Codecs: ``none``, ``fp16``, ``bf16`` (round-to-nearest-even casts, linear) and
-    ``topk`` (exact top-k by magnitude; keys ``ratio`` in (0, 1] or ``k`` >= 0, ``index`` =
-    auto|u32|u64, ``value_dtype`` = auto|float32|float16|bfloat16). See DESIGN.md section 3.
+    Codecs (``gradcomp.codecs()`` lists them with their keys and example specs): ``none``,
+    ``fp16``, ``bf16`` (round-to-nearest-even casts, linear) and ``topk`` (exact top-k by
+    magnitude; keys ``ratio`` in (0, 1] or ``k`` >= 0, ``index`` = auto|u32|u64, ``value_dtype``
+    = auto|float32|float16|bfloat16). See DESIGN.md section 3.
 
     Raises:
         InvalidArgumentError: unknown codec name or key, or an out-of-range value.
@@ -166,8 +192,40 @@ class Codec:
 
     @property
     def properties(self) -> dict:
-        """``{"linear": bool, "unbiased": bool, "deterministic": bool}``."""
+        """``{"linear": bool, "unbiased": bool, "deterministic": bool, "exact_residual": bool,
+        "keyed": bool}``: linear (payloads may be summed by an allreduce), unbiased
+        (E[decode(encode(x))] == x), deterministic (same input and key, same bytes),
+        exact_residual (x + r_old == decode + r_new exactly at divisor 1), keyed (draws random
+        numbers; packets carry the encode key)."""
         return self._c.properties
+
+    def layout(self, numel: int, dtype: Any = "float32") -> dict:
+        """The packet layout for ``numel`` elements of ``dtype``: ``{"bytes": int, "sections":
+        [(name, byte offset, count, dtype)], "key_section": int (-1: none), "payload_section":
+        int (-1: none), "main_param": int, "main_kind": "exact" | "maximum", "wire_dtype": str,
+        "index_dtype": str}``. Sections start 16-byte aligned after the 32-byte header; every
+        other byte of a packet is zero."""
+        return self._c.layout(_count(numel, "numel"), _dtype_name(dtype))
+
+    def packet_key(self, packet: Any) -> Optional[tuple[int, int, int]]:
+        """The ``(seed, step, bucket)`` key a CPU packet of a keyed codec carries; None for codecs
+        that draw no random numbers. Reads the header's numel and input dtype to find the section."""
+        b = _host_bytes(packet)
+        if not self.properties["keyed"]:
+            return None
+        if b is None or b.size < 32:
+            raise _C.InvalidArgumentError("packet_key: expected a CPU packet of at least 32 bytes")
+        numel = int.from_bytes(b[16:24].tobytes(), "little")
+        names = {0: "float32", 1: "float16", 2: "bfloat16"}
+        if int(b[8]) not in names:
+            raise _C.CorruptPacketError(f"packet_key: packet input dtype code {int(b[8])} is not float32/float16/bfloat16")
+        lay = self.layout(numel, names[int(b[8])])
+        _, off, _, _ = lay["sections"][lay["key_section"]]
+        raw = b[off: off + 16].tobytes()
+        if len(raw) != 16:
+            raise _C.CorruptPacketError("packet_key: packet shorter than its key section")
+        return (int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:12], "little"),
+                int.from_bytes(raw[12:16], "little"))
 
     def packet_bytes(self, numel: int, dtype: Any = "float32") -> int:
         """Exact packet size in bytes (a multiple of 16) for ``numel`` elements of ``dtype``."""
@@ -177,6 +235,17 @@ class Codec:
         """For linear codecs, ``(byte_offset, count, wire_dtype)`` of the summable part of the
         packet (count = numel + 1: the last element is the non-finite sentinel); else None."""
         return self._c.payload(_count(numel, "numel"), _dtype_name(dtype))
+
+    def workspace_bytes(self, numel: int, dtype: Any = "float32", device: Any = "cpu") -> int:
+        """Scratch bytes an encode/decode of ``numel`` elements of ``dtype`` needs on ``device``
+        ("cpu", "cuda" or a torch.device); at least 16 (the status word). On the CPU it depends on
+        the thread count (``gradcomp.set_num_threads``) at the time of the call.
+
+        Raises:
+            UnsupportedError: no backend for the device in this build.
+        """
+        cuda = str(device).startswith("cuda")
+        return self._c.workspace_bytes(_count(numel, "numel"), _dtype_name(dtype), cuda)
 
     def main_param(self, numel: int) -> int:
         """The codec's main parameter for ``numel`` elements (k for top-k, 0 for casts)."""
@@ -205,7 +274,7 @@ class Codec:
 
     # -- encode / decode -----------------------------------------------------------------------
     def encode(self, x: Any, residual: Any = None, out: Any = None, divisor: float = 1.0,
-               workspace: Any = None):
+               workspace: Any = None, key: Any = None):
         """Compress ``x`` into a packet.
 
         Args:
@@ -217,6 +286,9 @@ class Codec:
                 place; allocated with x's framework when None.
             divisor: x' is divided by it before compression (e.g. the world size).
             workspace: scratch buffer; the codec's cached one when None.
+            key: ``(seed, step, bucket)``, the EncodeContext of codecs that draw random numbers
+                (Random123 Philox keyed by values every rank shares; it travels in the packet, so
+                decode needs no key). Ignored by the others; default (0, 0, 0).
 
         Returns:
             The packet (``out``).
@@ -241,8 +313,9 @@ class Codec:
             out = aligned_empty(x, self.packet_bytes(numel, dtype))
         if workspace is None:
             workspace = self.workspace(x, numel, dtype)
+        seed, step, bucket = _key(key)
         xv, xo = _numpy_view(x)
-        self._c.encode(xv, residual, out, workspace, divisor, _stream_of(x), xo)
+        self._c.encode(xv, residual, out, workspace, divisor, _stream_of(x), xo, seed, step, bucket)
         return out
 
     def decode(self, packet: Any, out: Any = None, numel: Optional[int] = None,
@@ -299,6 +372,18 @@ class Codec:
         ov, oo = _numpy_view(out)
         self._c.decode(packet, ov, workspace, bool(accumulate), alpha, _stream_of(packet), oo)
         return out
+
+
+def _host_bytes(packet: Any) -> Optional[np.ndarray]:
+    """A C-contiguous CPU packet as a flat numpy uint8 view, or None (CUDA packets are not read on
+    the host)."""
+    if _is_torch(packet):
+        if packet.is_cuda or not packet.is_contiguous():
+            return None
+        return packet.reshape(-1).view(_torch().uint8).numpy()
+    if isinstance(packet, np.ndarray) and packet.flags.c_contiguous:
+        return packet.reshape(-1).view(np.uint8)
+    return None
 
 
 def _header_numel(packet: Any) -> Optional[int]:

@@ -30,7 +30,6 @@ is tested on the CPU with fake landed copies.
 
 import io
 import logging
-import math
 import os
 import re
 

@@ -11,11 +11,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/plan.hpp"
@@ -34,9 +36,18 @@ bool has_gpu() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
+// Without a GPU every test skips, unless GRADCOMP_REQUIRE_GPU=1 (tests/gpu/run.sh sets it on the GPU
+// machine, so that a run cannot pass empty): then it fails.
+bool gpu_required() {
+  const char* e = std::getenv("GRADCOMP_REQUIRE_GPU");
+  return e != nullptr && std::string(e) == "1";
+}
 #define REQUIRE_GPU()                                                                              \
   do {                                                                                             \
-    if (!has_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";            \
+    if (!has_gpu()) {                                                                              \
+      if (gpu_required()) FAIL() << "GRADCOMP_REQUIRE_GPU=1 but cudaGetDeviceCount reports no device"; \
+      GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";                          \
+    }                                                                                              \
   } while (0)
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
@@ -710,6 +721,163 @@ TEST(CudaTopK, Huge2To31Plus64Bfloat16) {
     CK(cudaMemcpy(&b, dx.p + where[size_t(j)] * 2, 2, cudaMemcpyDeviceToHost));
     EXPECT_EQ(ref_from_bf16(b), 3.0f * (j % 2 ? -1.0f : 1.0f) * float(j + 1)) << "index " << where[size_t(j)];
   }
+}
+
+// Two encodes on one workspace, not cleared in between (the kernels must reset what they use), on
+// the one-block and the multi-block top-k and on the casts: the same packet twice, equal to the CPU's.
+TEST(CudaWorkspace, TwoEncodesOnOneWorkspace) {
+  REQUIRE_GPU();
+  namespace P = gradcomp::detail::cuda::plan;
+  uint32_t seed = 31000;
+  for (const char* spec : {"topk:ratio=0.01", "topk:k=7", "fp16", "bf16", "none"}) {
+    auto c = Codec::create(spec);
+    for (int64_t n : {int64_t(1000), P::kOneBlockMax + 1, int64_t(3000017)}) {
+      SCOPED_TRACE(std::string(spec) + " n=" + std::to_string(n));
+      const auto x = to_dtype(make_values(n, Kind::normal, seed++), DType::float32);
+      const auto want = encode_cpu(*c, x, DType::float32, n, nullptr, 1.0f).packet;
+      const int64_t pb = c->packet_bytes(n, DType::float32), wb = c->workspace_bytes(n, DType::float32, kGpu);
+      DevBuf dx(static_cast<size_t>(n) * 4), dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));
+      ASSERT_TRUE(dx.p && dp.p && dw.p);
+      upload(dx.p, x.data(), x.size());
+      CK(cudaMemset(dw.p, 0xFF, size_t(wb)));
+      CK(cudaMemset(dw.p, 0, 16));
+      for (int rep = 0; rep < 2; ++rep) {
+        CK(cudaMemset(dp.p, 0xCD, size_t(pb)));
+        c->encode(Tensor{dx.p, DType::float32, n, kGpu}, nullptr, Tensor{dp.p, DType::uint8, pb, kGpu},
+                  Tensor{dw.p, DType::uint8, wb, kGpu});
+        CK(cudaDeviceSynchronize());
+        EXPECT_EQ(first_diff(download(dp.p, size_t(pb)), want), -1) << "encode " << rep + 1;
+      }
+    }
+  }
+}
+
+// A kernel that spins for `cycles` clock cycles, then writes x[i] = fill(i): the input of an encode
+// queued behind it on the same stream. If any part of the encode (kernels, memsets) ran on another
+// stream, it would read x before this kernel wrote it.
+__global__ void spin_then_fill(float* x, int64_t n, long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) x[i] = float((i * 7919) % 1000003) * 1e-3f - 500.0f;
+}
+
+TEST(CudaStreams, NonDefaultStreamBehindALongKernel) {
+  REQUIRE_GPU();
+  const int64_t n = 1 << 20;
+  std::vector<float> host_x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) host_x[size_t(i)] = float((i * 7919) % 1000003) * 1e-3f - 500.0f;
+  const auto x = to_dtype(host_x, DType::float32);
+  cudaStream_t s = nullptr;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); // no implicit sync with the default stream
+  int clock_khz = 0;
+  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  const long long cycles = (long long)clock_khz * 100; // about 100 ms
+  for (const char* spec : {"topk:ratio=0.01", "topk:k=50", "fp16", "bf16"}) {
+    SCOPED_TRACE(spec);
+    auto c = Codec::create(spec);
+    std::vector<float> r0(static_cast<size_t>(n), 0.125f);
+    const auto want = encode_cpu(*c, x, DType::float32, n, &r0, 2.0f);
+    const int64_t pb = c->packet_bytes(n, DType::float32), wb = c->workspace_bytes(n, DType::float32, kGpu);
+    DevBuf dx(static_cast<size_t>(n) * 4), dr(static_cast<size_t>(n) * 4), dp(static_cast<size_t>(pb)),
+        dw(static_cast<size_t>(wb)), dout(static_cast<size_t>(n) * 4), dws(16);
+    ASSERT_TRUE(dx.p && dr.p && dp.p && dw.p && dout.p && dws.p);
+    CK(cudaMemset(dx.p, 0, size_t(n) * 4));
+    upload(dr.p, r0.data(), size_t(n) * 4);
+    CK(cudaMemset(dw.p, 0xFF, size_t(wb)));
+    CK(cudaMemset(dw.p, 0, 16));
+    CK(cudaMemset(dws.p, 0, 16));
+    CK(cudaDeviceSynchronize());
+    spin_then_fill<<<1, 256, 0, s>>>(reinterpret_cast<float*>(dx.p), n, cycles);
+    CK(cudaGetLastError());
+    Tensor rt{dr.p, DType::float32, n, kGpu};
+    c->encode(Tensor{dx.p, DType::float32, n, kGpu}, &rt, Tensor{dp.p, DType::uint8, pb, kGpu},
+              Tensor{dw.p, DType::uint8, wb, kGpu}, gradcomp::Stream{s}, 2.0f);
+    c->decode(Tensor{dp.p, DType::uint8, pb, kGpu}, Tensor{dout.p, DType::float32, n, kGpu},
+              Tensor{dws.p, DType::uint8, 16, kGpu}, DecodeMode::assign, 1.0f, gradcomp::Stream{s});
+    // read_status synchronizes the stream it is given: the whole chain, in order
+    EXPECT_EQ(gradcomp::read_status(Tensor{dws.p, DType::uint8, 16, kGpu}, gradcomp::Stream{s}), 0u);
+    EXPECT_EQ(first_diff(download(dp.p, size_t(pb)), want.packet), -1) << "the encode did not wait for the input";
+    std::vector<float> r(static_cast<size_t>(n));
+    CK(cudaMemcpy(r.data(), dr.p, size_t(n) * 4, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(first_diff_f(r, want.residual), -1);
+    const auto out = download(dout.p, size_t(n) * 4);
+    const auto cpu_out = decode_cpu(*c, want.packet, DType::float32, n, std::vector<uint8_t>(size_t(n) * 4, 0),
+                                    DecodeMode::assign, 1.0f, nullptr);
+    EXPECT_EQ(first_diff(out, cpu_out), -1);
+  }
+  CK(cudaStreamDestroy(s));
+}
+
+// 64-bit indices chosen by index=auto: a planted bfloat16 input of 2^32 + 64 elements (8 GiB; it
+// fits on an H200), 64 planted values, half of them past 2^32.
+TEST(CudaTopK, Index64AutoPlanted2To32Plus64Bfloat16) {
+  REQUIRE_GPU();
+  const int64_t n = (int64_t(1) << 32) + 64;
+  auto c = Codec::create("topk:k=100");
+  ASSERT_EQ(c->layout(n, DType::bfloat16).header.index_dtype, uint8_t(DType::uint64));
+  const int64_t pb = c->packet_bytes(n, DType::bfloat16), wb = c->workspace_bytes(n, DType::bfloat16, kGpu);
+  size_t free_b = 0, total_b = 0;
+  CK(cudaMemGetInfo(&free_b, &total_b));
+  const size_t need = size_t(n) * 2 + size_t(pb) + size_t(wb) + (size_t(1) << 28);
+  if (free_b < need) {
+    if (gpu_required() && total_b >= need) FAIL() << "needs " << need / (1 << 20) << " MiB, " << free_b / (1 << 20) << " free";
+    GTEST_SKIP() << "needs " << need / (1 << 20) << " MiB of device memory, " << free_b / (1 << 20) << " free";
+  }
+  DevBuf dx(static_cast<size_t>(n) * 2), dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));
+  ASSERT_TRUE(dx.p && dp.p && dw.p);
+  CK(cudaMemset(dx.p, 0, size_t(n) * 2));
+  CK(cudaMemset(dw.p, 0xFF, size_t(wb)));
+  CK(cudaMemset(dw.p, 0, 16));
+  std::vector<int64_t> where;
+  for (int j = 0; j < 64; ++j)
+    where.push_back(j < 32 ? int64_t(j) * 104729 * 1031 + 11 : (int64_t(1) << 32) - 16 + int64_t(j - 32) * 2);
+  for (int j = 0; j < 64; ++j) {
+    const uint16_t b = ref_to_bf16((j % 2 ? -1.0f : 1.0f) * float(j + 1));
+    CK(cudaMemcpy(dx.p + where[size_t(j)] * 2, &b, 2, cudaMemcpyHostToDevice));
+  }
+  c->encode(Tensor{dx.p, DType::bfloat16, n, kGpu}, nullptr, Tensor{dp.p, DType::uint8, pb, kGpu},
+            Tensor{dw.p, DType::uint8, wb, kGpu});
+  CK(cudaDeviceSynchronize());
+  const auto pk = download(dp.p, size_t(pb));
+  std::vector<int64_t> expect = where;
+  for (int64_t i = 0; int64_t(expect.size()) < 100; ++i)
+    if (std::find(where.begin(), where.end(), i) == where.end()) expect.push_back(i);
+  std::sort(expect.begin(), expect.end());
+  ASSERT_EQ(pk[10], uint8_t(DType::uint64));
+  const int64_t voff = 32 + gradcomp::align16(100 * 8);
+  for (int j = 0; j < 100; ++j) {
+    uint64_t i;
+    std::memcpy(&i, pk.data() + 32 + 8 * j, 8);
+    ASSERT_EQ(int64_t(i), expect[size_t(j)]) << "entry " << j;
+    uint16_t v;
+    std::memcpy(&v, pk.data() + voff + 2 * j, 2);
+    const auto it = std::find(where.begin(), where.end(), int64_t(i));
+    const float want = it == where.end() ? 0.0f : ((it - where.begin()) % 2 ? -1.0f : 1.0f) * float(it - where.begin() + 1);
+    EXPECT_EQ(ref_from_bf16(v), want) << "entry " << j;
+  }
+  DevBuf dws(64);
+  CK(cudaMemset(dws.p, 0, 64));
+  c->decode(Tensor{dp.p, DType::uint8, pb, kGpu}, Tensor{dx.p, DType::bfloat16, n, kGpu},
+            Tensor{dws.p, DType::uint8, 64, kGpu}, DecodeMode::accumulate, 1.0f);
+  EXPECT_EQ(gradcomp::read_status(Tensor{dws.p, DType::uint8, 64, kGpu}), 0u);
+  for (int j = 0; j < 64; ++j) {
+    uint16_t b;
+    CK(cudaMemcpy(&b, dx.p + where[size_t(j)] * 2, 2, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(ref_from_bf16(b), 2.0f * (j % 2 ? -1.0f : 1.0f) * float(j + 1)) << "index " << where[size_t(j)];
+  }
+}
+
+// The multi-device fixes that can be told on one GPU: read_status works from a thread that never
+// touched a device, and leaves no device made current behind it.
+TEST(CudaDevices, ReadStatusAndGuardOnAFreshThread) {
+  REQUIRE_GPU();
+  DevBuf dws(16);
+  CK(cudaMemset(dws.p, 0, 16));
+  CK(cudaDeviceSynchronize());
+  uint32_t got = 99;
+  std::thread([&] { got = gradcomp::read_status(Tensor{dws.p, DType::uint8, 16, kGpu}); }).join();
+  EXPECT_EQ(got, 0u);
 }
 
 TEST(CudaInfo, BuildInfo) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/math.hpp"
@@ -161,3 +162,47 @@ TEST(CudaPlan, ScatterBlocks) {
 }
 
 } // namespace
+
+// The multi-block top-k keeps every tile below 2^31 elements (u32 in-tile offsets) up to
+// topk_max_numel(); the core accepts up to 2^56 elements, so above that the CUDA backend refuses.
+TEST(CudaPlan, TopKLargestInputKeepsTilesBelow2To31) {
+  const int64_t m = P::topk_max_numel();
+  EXPECT_GT(m, int64_t(1) << 42);
+  EXPECT_LT(m, int64_t(1) << 44);
+  for (int64_t n : {m - 1, m}) {
+    for (int sm : kSms) {
+      const int64_t G = P::topk_grid(n, sm);
+      for (int64_t g : {int64_t(0), G / 2, G - 1}) {
+        const auto r = P::tile_range(n, G, g);
+        EXPECT_LT(r.end - r.begin, P::kMaxTile) << "n=" << n << " sm=" << sm;
+      }
+    }
+  }
+  // one more element would need a tile of 2^31 elements or more with the grid capped
+  const int64_t G = P::topk_grid(m + P::kItems * P::kMaxGrid, 1);
+  EXPECT_EQ(G, P::kMaxGrid);
+  EXPECT_GE(P::tile_range(m + P::kItems * P::kMaxGrid, G, 0).end, P::kMaxTile);
+}
+
+#if defined(GRADCOMP_WITH_CUDA)
+#include "gradcomp/gradcomp.hpp"
+// The refusal happens on the host before any CUDA call, so it is checked here without a GPU: the
+// tensors are fake device views (never dereferenced).
+TEST(CudaPlan, TopKEncodeAboveTheLimitRaisesUnsupported) {
+  using gradcomp::DType;
+  const gradcomp::Device gpu{gradcomp::DeviceKind::cuda, 0};
+  auto c = gradcomp::Codec::create("topk:k=10");
+  const int64_t n = P::topk_max_numel() + 1;
+  const int64_t pb = c->packet_bytes(n, DType::bfloat16), wb = c->workspace_bytes(n, DType::bfloat16, gpu);
+  auto at = [](int64_t a) { return reinterpret_cast<void*>(static_cast<uintptr_t>(a)); };
+  const gradcomp::Tensor x{at(int64_t(1) << 40), DType::bfloat16, n, gpu};
+  const gradcomp::Tensor p{at(int64_t(1) << 46), DType::uint8, pb, gpu};
+  const gradcomp::Tensor w{at(int64_t(1) << 47), DType::uint8, wb, gpu};
+  try {
+    c->encode(x, nullptr, p, w);
+    ADD_FAILURE() << "no exception";
+  } catch (const gradcomp::Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(P::topk_max_numel())), std::string::npos) << e.what();
+  }
+}
+#endif

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# One script for a GPU machine (an H200; no network): prints the tool versions it finds, configures
-# for sm_90 with tests, benchmarks and the Python module in build-gpu/, builds, runs the CUDA
-# gtests, `pytest tests/python -k cuda` when the Python module built, and the CUDA benchmarks.
-# Everything is tee'd into $GRADCOMP_GPU_LOG (default gpu-log/). Dependencies the machine lacks
-# come from gpu-carry/ (fill it first with tests/gpu/prepare_carry.sh on a machine that has them).
+# One script for a GPU machine (an H200; no network). In order, within 5 minutes there:
+#   1. prints the tool versions it finds;
+#   2. configures for sm_90 with the tests, the Python module and (when Google Benchmark is there)
+#      the benchmarks in build-gpu/, and builds -- the tests never need Google Benchmark;
+#   3. the CUDA gtests (GRADCOMP_REQUIRE_GPU=1: a test that would skip for want of a GPU fails);
+#   4. tests/python/test_cuda.py and the codec contract suite on CUDA (pytest --pyargs
+#      gradcomp.testing -k cuda) against the module just built, GRADCOMP_REQUIRE_GPU=1;
+#   5. the CUDA benchmarks (bench_cuda, JSON into the log).
+# It FAILS (exit 1) when anything fails, when the Python module cannot be built, when pytest
+# collects no CUDA test, or when no GPU is visible: a run cannot pass empty.
+# Everything is tee'd into $GRADCOMP_GPU_LOG (default gpu-log/; the caller collects it from there).
+# Dependencies the machine lacks come from gpu-carry/ (fill it first with
+# tests/gpu/prepare_carry.sh on a machine that has them).
 #
 # Usage: tests/gpu/run.sh [--build-only] [--jobs N] [--no-python]
 #   --build-only  configure and build, run nothing (works without a GPU)
+#   --no-python   leave the Python module out (the run then fails: use it only to debug a build)
 # Environment: GRADCOMP_GPU_LOG (log folder), GRADCOMP_GPU_BUILD (build folder, default build-gpu),
-#              GRADCOMP_CUDA_ARCHS (default 90). Designed to finish within 5 minutes on an H200.
+#              GRADCOMP_CUDA_ARCHS (default 90).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -21,7 +30,7 @@ while [[ $# -gt 0 ]]; do
     --build-only) build_only=1; shift ;;
     --jobs) jobs=$2; shift 2 ;;
     --no-python) python=OFF; shift ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -75,7 +84,8 @@ fi
 [[ ${#prefix[@]} -gt 0 ]] && args+=(-DCMAKE_PREFIX_PATH="$(IFS=';'; echo "${prefix[*]}")")
 if ! cmake "${args[@]}" -DGRADCOMP_PYTHON=$python; then
   if [[ $python == ON ]]; then
-    echo "run.sh: configure with GRADCOMP_PYTHON=ON failed; retrying without the Python module"
+    echo "run.sh: configure with GRADCOMP_PYTHON=ON failed; building the C++ tests without the Python module"
+    failures+=("the Python module could not be configured")
     python=OFF
     rm -f "$build/CMakeCache.txt"
     cmake "${args[@]}" -DGRADCOMP_PYTHON=OFF || { echo "run.sh: configure failed"; exit 1; }
@@ -83,6 +93,7 @@ if ! cmake "${args[@]}" -DGRADCOMP_PYTHON=$python; then
     echo "run.sh: configure failed"; exit 1
   fi
 fi
+[[ $python == OFF ]] && failures+=("no Python module (--no-python or configure failure): test_cuda.py not run")
 
 section "build (-j$jobs)"
 if ! cmake --build "$build" -j "$jobs"; then
@@ -93,10 +104,12 @@ if [[ $build_only == 1 ]]; then
   section "done (--build-only)"
   exit 0
 fi
+export GRADCOMP_REQUIRE_GPU=1
+nvidia-smi -L >/dev/null 2>&1 || failures+=("no GPU visible (nvidia-smi -L)")
 
 section "CUDA gtests"
 if [[ -x $build/tests/cpp/gradcomp_cuda_tests ]]; then
-  timeout 200 "$build/tests/cpp/gradcomp_cuda_tests" --gtest_output="xml:$log/gradcomp_cuda_tests.xml" ||
+  timeout 150 "$build/tests/cpp/gradcomp_cuda_tests" --gtest_output="xml:$log/gradcomp_cuda_tests.xml" ||
     failures+=("gradcomp_cuda_tests")
 else
   echo "gradcomp_cuda_tests was not built"; failures+=("gradcomp_cuda_tests (not built)")
@@ -106,7 +119,7 @@ if [[ -x $build/tests/cpp/gradcomp_tests ]]; then
     failures+=("gradcomp_tests CudaPlan*")
 fi
 
-section "pytest -k cuda"
+section "pytest: test_cuda.py and the contract suite on CUDA"
 so=$(compgen -G "$build/_C*.so" | head -1 || true)
 if [[ $python == ON && -n $so ]]; then
   # Stage the package with the module just built (the source tree may hold another build's _C).
@@ -114,21 +127,26 @@ if [[ $python == ON && -n $so ]]; then
   rm -rf "$stage" && mkdir -p "$stage"
   cp -r "$root/bindings/python/gradcomp" "$stage/"
   rm -f "$stage"/gradcomp/_C*.so && cp "$so" "$stage/gradcomp/"
-  if [[ -d tests/python ]]; then
-    PYTHONPATH="$stage${PYTHONPATH:+:$PYTHONPATH}" timeout 120 "$py" -m pytest tests/python -k cuda -q \
-      -p no:cacheprovider --junitxml="$log/pytest_cuda.xml" || {
-        rc=$?; if [[ $rc == 5 ]]; then echo "pytest: no test selected by -k cuda"; else failures+=("pytest -k cuda (rc $rc)"); fi; }
-  fi
-else
-  echo "the Python module was not built; skipping pytest"
+  export PYTHONPATH="$stage${PYTHONPATH:+:$PYTHONPATH}"
+  timeout 120 "$py" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider --junitxml="$log/pytest_cuda.xml"
+  rc=$?
+  [[ $rc == 5 ]] && echo "pytest: test_cuda.py collected no test"
+  [[ $rc != 0 ]] && failures+=("pytest tests/python/test_cuda.py (rc $rc)")
+  (cd "$log" && timeout 90 "$py" -m pytest -p gradcomp.testing.plugin --pyargs gradcomp.testing -k cuda -q \
+     -p no:cacheprovider --junitxml="$log/pytest_contract_cuda.xml")
+  rc=$?
+  [[ $rc == 5 ]] && echo "pytest: the contract suite collected no CUDA case"
+  [[ $rc != 0 ]] && failures+=("pytest --pyargs gradcomp.testing -k cuda (rc $rc)")
+elif [[ $python == ON ]]; then
+  echo "the Python module was configured but not built"; failures+=("the Python module was not built")
 fi
 
 section "CUDA benchmarks"
 if [[ -x $build/bench/bench_cuda ]]; then
-  timeout 150 "$build/bench/bench_cuda" --benchmark_out="$log/bench_cuda.json" --benchmark_out_format=json ||
+  timeout 90 "$build/bench/bench_cuda" --benchmark_out="$log/bench_cuda.json" --benchmark_out_format=json ||
     failures+=("bench_cuda")
 else
-  echo "bench_cuda was not built (Google Benchmark missing?)"
+  echo "bench_cuda was not built (Google Benchmark missing: prepare gpu-carry/ with tests/gpu/prepare_carry.sh)"
 fi
 
 section "summary"

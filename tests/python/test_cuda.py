@@ -31,10 +31,12 @@ from test_codec_support import (  # noqa: E402
     topk_k,
 )
 
-pytestmark = pytest.mark.skipif(
-    not (gradcomp.build_info()["cuda"] and torch.cuda.is_available()),
-    reason="needs a CUDA build of gradcomp and a GPU",
-)
+_HAVE_GPU = gradcomp.build_info()["cuda"] and torch.cuda.is_available()
+if os.environ.get("GRADCOMP_REQUIRE_GPU") == "1" and not _HAVE_GPU:
+    # tests/gpu/run.sh sets it on the GPU machine: a run there must not pass by skipping everything
+    raise RuntimeError(f"GRADCOMP_REQUIRE_GPU=1 but gradcomp build cuda={gradcomp.build_info()['cuda']}, "
+                       f"torch.cuda.is_available()={torch.cuda.is_available()}")
+pytestmark = pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA build of gradcomp and a GPU")
 
 KINDS = ["randn", "zeros", "const", "outlier", "denorm", "ties", "special"]
 SIZES = [0, 1, 7, 1023, 1025, 65537, (1 << 20) + 3]

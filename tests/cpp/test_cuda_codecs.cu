@@ -668,59 +668,69 @@ TEST(CudaTopK, NonFiniteFlag) {
   EXPECT_TRUE(std::isnan(ref_load(out, DType::float32, 0)));
 }
 
-TEST(CudaTopK, Huge2To31Plus64Bfloat16) {
-  REQUIRE_GPU();
-  const int64_t n = (int64_t(1) << 31) + 64;
+// Top-k of a large zero bfloat16 input with 64 planted values (magnitudes 1..64, bf16-exact,
+// alternating signs) at `where`: the packet holds the planted indices plus the lowest zero indices
+// up to k = 100, ascending, in `index_dtype`; decode (accumulate, alpha) adds the planted values back.
+void check_planted_topk(int64_t n, const std::vector<int64_t>& where, DType index_dtype, float alpha) {
   auto c = Codec::create("topk:k=100");
+  ASSERT_EQ(c->layout(n, DType::bfloat16).header.index_dtype, uint8_t(index_dtype));
   const int64_t pb = c->packet_bytes(n, DType::bfloat16), wb = c->workspace_bytes(n, DType::bfloat16, kGpu);
   size_t free_b = 0, total_b = 0;
   CK(cudaMemGetInfo(&free_b, &total_b));
-  const size_t need = size_t(n) * 2 * 2 + size_t(pb) + size_t(wb) + (size_t(1) << 28);
-  if (free_b < need) GTEST_SKIP() << "needs " << need / (1 << 20) << " MiB of device memory, " << free_b / (1 << 20) << " free";
+  const size_t need = size_t(n) * 2 + size_t(pb) + size_t(wb) + (size_t(1) << 28);
+  if (free_b < need) {
+    if (gpu_required() && total_b >= need) FAIL() << "needs " << need / (1 << 20) << " MiB, " << free_b / (1 << 20) << " free";
+    GTEST_SKIP() << "needs " << need / (1 << 20) << " MiB of device memory, " << free_b / (1 << 20) << " free";
+  }
   DevBuf dx(static_cast<size_t>(n) * 2), dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));
   ASSERT_TRUE(dx.p && dp.p && dw.p);
   CK(cudaMemset(dx.p, 0, size_t(n) * 2));
   CK(cudaMemset(dw.p, 0xFF, size_t(wb)));
-  // 64 planted values, 32 of them around 2^31 (21 past it), magnitudes 1..64 (bf16-exact), alternating signs.
-  std::vector<int64_t> where;
-  for (int j = 0; j < 64; ++j)
-    where.push_back(j < 32 ? int64_t(j) * 7919 * 4099 + 5 : (int64_t(1) << 31) - 32 + int64_t(j - 32) * 3);
-  for (int j = 0; j < 64; ++j) {
-    const uint16_t b = ref_to_bf16((j % 2 ? -1.0f : 1.0f) * float(j + 1));
-    CK(cudaMemcpy(dx.p + where[size_t(j)] * 2, &b, 2, cudaMemcpyHostToDevice));
+  CK(cudaMemset(dw.p, 0, 16));
+  auto planted = [&](size_t j) { return (j % 2 ? -1.0f : 1.0f) * float(j + 1); };
+  for (size_t j = 0; j < where.size(); ++j) {
+    const uint16_t b = ref_to_bf16(planted(j));
+    CK(cudaMemcpy(dx.p + where[j] * 2, &b, 2, cudaMemcpyHostToDevice));
   }
   c->encode(Tensor{dx.p, DType::bfloat16, n, kGpu}, nullptr, Tensor{dp.p, DType::uint8, pb, kGpu},
             Tensor{dw.p, DType::uint8, wb, kGpu});
   CK(cudaDeviceSynchronize());
   const auto pk = download(dp.p, size_t(pb));
-  // Expected: the 64 planted indices plus the 36 lowest zero indices, ascending.
   std::vector<int64_t> expect = where;
   for (int64_t i = 0; int64_t(expect.size()) < 100; ++i)
     if (std::find(where.begin(), where.end(), i) == where.end()) expect.push_back(i);
   std::sort(expect.begin(), expect.end());
-  ASSERT_EQ(pk[10], uint8_t(DType::uint32));
-  const int64_t voff = 32 + gradcomp::align16(100 * 4);
+  ASSERT_EQ(pk[10], uint8_t(index_dtype));
+  const int64_t isz = dsize(index_dtype);
+  const int64_t voff = 32 + gradcomp::align16(100 * isz);
   for (int j = 0; j < 100; ++j) {
-    uint32_t i;
-    std::memcpy(&i, pk.data() + 32 + 4 * j, 4);
+    uint64_t i = 0;
+    std::memcpy(&i, pk.data() + 32 + isz * j, size_t(isz)); // little-endian
     ASSERT_EQ(int64_t(i), expect[size_t(j)]) << "entry " << j;
     uint16_t v;
     std::memcpy(&v, pk.data() + voff + 2 * j, 2);
     const auto it = std::find(where.begin(), where.end(), int64_t(i));
-    const float want = it == where.end() ? 0.0f : ((it - where.begin()) % 2 ? -1.0f : 1.0f) * float(it - where.begin() + 1);
-    EXPECT_EQ(ref_from_bf16(v), want) << "entry " << j;
+    EXPECT_EQ(ref_from_bf16(v), it == where.end() ? 0.0f : planted(size_t(it - where.begin()))) << "entry " << j;
   }
-  // Decode (accumulate into the zero input) restores the planted values, past 2^31 too.
   DevBuf dws(64);
   CK(cudaMemset(dws.p, 0, 64));
   c->decode(Tensor{dp.p, DType::uint8, pb, kGpu}, Tensor{dx.p, DType::bfloat16, n, kGpu},
-            Tensor{dws.p, DType::uint8, 64, kGpu}, DecodeMode::accumulate, 2.0f);
+            Tensor{dws.p, DType::uint8, 64, kGpu}, DecodeMode::accumulate, alpha);
   EXPECT_EQ(gradcomp::read_status(Tensor{dws.p, DType::uint8, 64, kGpu}), 0u);
-  for (int j = 0; j < 64; ++j) {
+  for (size_t j = 0; j < where.size(); ++j) {
     uint16_t b;
-    CK(cudaMemcpy(&b, dx.p + where[size_t(j)] * 2, 2, cudaMemcpyDeviceToHost));
-    EXPECT_EQ(ref_from_bf16(b), 3.0f * (j % 2 ? -1.0f : 1.0f) * float(j + 1)) << "index " << where[size_t(j)];
+    CK(cudaMemcpy(&b, dx.p + where[j] * 2, 2, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(ref_from_bf16(b), (1.0f + alpha) * planted(j)) << "index " << where[j];
   }
+}
+
+// 2^31 + 64 elements: 32 planted values around 2^31 (21 past it), uint32 indices.
+TEST(CudaTopK, Huge2To31Plus64Bfloat16) {
+  REQUIRE_GPU();
+  std::vector<int64_t> where;
+  for (int j = 0; j < 64; ++j)
+    where.push_back(j < 32 ? int64_t(j) * 7919 * 4099 + 5 : (int64_t(1) << 31) - 32 + int64_t(j - 32) * 3);
+  check_planted_topk((int64_t(1) << 31) + 64, where, DType::uint32, 2.0f);
 }
 
 // Two encodes on one workspace, not cleared in between (the kernels must reset what they use), on
@@ -810,62 +820,13 @@ TEST(CudaStreams, NonDefaultStreamBehindALongKernel) {
 }
 
 // 64-bit indices chosen by index=auto: a planted bfloat16 input of 2^32 + 64 elements (8 GiB; it
-// fits on an H200), 64 planted values, half of them past 2^32.
+// fits on an H200), half of the planted values past 2^32.
 TEST(CudaTopK, Index64AutoPlanted2To32Plus64Bfloat16) {
   REQUIRE_GPU();
-  const int64_t n = (int64_t(1) << 32) + 64;
-  auto c = Codec::create("topk:k=100");
-  ASSERT_EQ(c->layout(n, DType::bfloat16).header.index_dtype, uint8_t(DType::uint64));
-  const int64_t pb = c->packet_bytes(n, DType::bfloat16), wb = c->workspace_bytes(n, DType::bfloat16, kGpu);
-  size_t free_b = 0, total_b = 0;
-  CK(cudaMemGetInfo(&free_b, &total_b));
-  const size_t need = size_t(n) * 2 + size_t(pb) + size_t(wb) + (size_t(1) << 28);
-  if (free_b < need) {
-    if (gpu_required() && total_b >= need) FAIL() << "needs " << need / (1 << 20) << " MiB, " << free_b / (1 << 20) << " free";
-    GTEST_SKIP() << "needs " << need / (1 << 20) << " MiB of device memory, " << free_b / (1 << 20) << " free";
-  }
-  DevBuf dx(static_cast<size_t>(n) * 2), dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));
-  ASSERT_TRUE(dx.p && dp.p && dw.p);
-  CK(cudaMemset(dx.p, 0, size_t(n) * 2));
-  CK(cudaMemset(dw.p, 0xFF, size_t(wb)));
-  CK(cudaMemset(dw.p, 0, 16));
   std::vector<int64_t> where;
   for (int j = 0; j < 64; ++j)
     where.push_back(j < 32 ? int64_t(j) * 104729 * 1031 + 11 : (int64_t(1) << 32) - 16 + int64_t(j - 32) * 2);
-  for (int j = 0; j < 64; ++j) {
-    const uint16_t b = ref_to_bf16((j % 2 ? -1.0f : 1.0f) * float(j + 1));
-    CK(cudaMemcpy(dx.p + where[size_t(j)] * 2, &b, 2, cudaMemcpyHostToDevice));
-  }
-  c->encode(Tensor{dx.p, DType::bfloat16, n, kGpu}, nullptr, Tensor{dp.p, DType::uint8, pb, kGpu},
-            Tensor{dw.p, DType::uint8, wb, kGpu});
-  CK(cudaDeviceSynchronize());
-  const auto pk = download(dp.p, size_t(pb));
-  std::vector<int64_t> expect = where;
-  for (int64_t i = 0; int64_t(expect.size()) < 100; ++i)
-    if (std::find(where.begin(), where.end(), i) == where.end()) expect.push_back(i);
-  std::sort(expect.begin(), expect.end());
-  ASSERT_EQ(pk[10], uint8_t(DType::uint64));
-  const int64_t voff = 32 + gradcomp::align16(100 * 8);
-  for (int j = 0; j < 100; ++j) {
-    uint64_t i;
-    std::memcpy(&i, pk.data() + 32 + 8 * j, 8);
-    ASSERT_EQ(int64_t(i), expect[size_t(j)]) << "entry " << j;
-    uint16_t v;
-    std::memcpy(&v, pk.data() + voff + 2 * j, 2);
-    const auto it = std::find(where.begin(), where.end(), int64_t(i));
-    const float want = it == where.end() ? 0.0f : ((it - where.begin()) % 2 ? -1.0f : 1.0f) * float(it - where.begin() + 1);
-    EXPECT_EQ(ref_from_bf16(v), want) << "entry " << j;
-  }
-  DevBuf dws(64);
-  CK(cudaMemset(dws.p, 0, 64));
-  c->decode(Tensor{dp.p, DType::uint8, pb, kGpu}, Tensor{dx.p, DType::bfloat16, n, kGpu},
-            Tensor{dws.p, DType::uint8, 64, kGpu}, DecodeMode::accumulate, 1.0f);
-  EXPECT_EQ(gradcomp::read_status(Tensor{dws.p, DType::uint8, 64, kGpu}), 0u);
-  for (int j = 0; j < 64; ++j) {
-    uint16_t b;
-    CK(cudaMemcpy(&b, dx.p + where[size_t(j)] * 2, 2, cudaMemcpyDeviceToHost));
-    EXPECT_EQ(ref_from_bf16(b), 2.0f * (j % 2 ? -1.0f : 1.0f) * float(j + 1)) << "index " << where[size_t(j)];
-  }
+  check_planted_topk((int64_t(1) << 32) + 64, where, DType::uint64, 1.0f);
 }
 
 // The multi-device fixes that can be told on one GPU: read_status works from a thread that never

@@ -126,8 +126,6 @@ void encode(const CastPlan& p, const EncodeArgs& a) {
         flag = div1 ? encode_loop<In, W, false, true>(xs, nullptr, out, p.numel, d, T)
                     : encode_loop<In, W, false, false>(xs, nullptr, out, p.numel, d, T);
       }
-      // The non-finite sentinel: an extra wire element that survives a sum allreduce.
-      out[p.numel] = W::store(flag ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
     }, "cast: wire");
   }, "cast: input");
   finish_packet(a.packet, p.layout, flag ? kFlagNonFinite : 0, a.ctx);
@@ -136,20 +134,18 @@ void encode(const CastPlan& p, const EncodeArgs& a) {
 void decode(const CastPlan& p, const DecodeArgs& a) {
   PacketHeader h;
   std::memcpy(&h, a.packet, sizeof h);
-  bool nonfinite = (h.flags & kFlagNonFinite) != 0;
   auto* status = reinterpret_cast<uint32_t*>(a.workspace);
   dispatch_float(p.wire, [&](auto w) {
     using W = decltype(w);
     const auto* in = reinterpret_cast<const typename W::storage*>(a.packet + p.layout.sections[0].offset);
-    nonfinite = nonfinite || W::nonfinite(in[p.numel]);
     dispatch_float(a.out.dtype, [&](auto o) {
       using O = decltype(o);
-      auto* out = a.out.ptr<typename O::storage>();
-      decode_loop<W, O>(in, out, p.numel, a.alpha, a.mode == DecodeMode::accumulate, p.threads);
-      if (nonfinite && p.numel > 0) out[0] = O::store(std::numeric_limits<float>::quiet_NaN());
+      decode_loop<W, O>(in, a.out.ptr<typename O::storage>(), p.numel, a.alpha, a.mode == DecodeMode::accumulate,
+                        p.threads);
     }, "decode: out");
   }, "cast: wire");
-  if (nonfinite && status) *status |= kStatusNonFinite;
+  // Every non-finite value travels in the payload itself: nothing to write into out[0].
+  if ((h.flags & kFlagNonFinite) && status) *status |= kStatusNonFinite;
 }
 
 int64_t workspace_bytes(const CastPlan&) { return kStatusBytes; }

@@ -5,7 +5,7 @@
 //
 // Encode: one grid-stride kernel, 8 consecutive elements per thread through 16-byte vectors;
 // the non-finite bit is OR-reduced per block (__syncthreads_or) and across blocks (atomicOr into
-// the workspace); the last block (atomic counter) writes the sentinel, the padding and the header.
+// the workspace); the last block (atomic counter) writes the padding and the header.
 // Decode: every block checks the header on the device; a mismatch sets kStatusCorrupt and writes
 // nothing; the wire dtype of codec none comes from the header.
 #include "../core/codecs/cast.hpp"
@@ -69,11 +69,7 @@ __global__ void __launch_bounds__(kThreads) cast_encode_kernel(const typename In
   __shared__ bool s_last;
   if (!elect_last_block(counter, &s_last)) return;
   __shared__ uint32_t s_flag;
-  if (threadIdx.x == 0) {
-    s_flag = atomicOr(flag_word, 0u);
-    // The non-finite sentinel: an extra wire element that survives a sum allreduce.
-    out[n] = W::store(s_flag ? quiet_nan() : 0.0f);
-  }
+  if (threadIdx.x == 0) s_flag = atomicOr(flag_word, 0u);
   __syncthreads();
   finish_packet_block(packet, layout, s_flag ? kFlagNonFinite : 0, ctx);
 }
@@ -81,7 +77,7 @@ __global__ void __launch_bounds__(kThreads) cast_encode_kernel(const typename In
 template <class W, class O, bool Acc>
 __device__ __forceinline__ void cast_decode_body(const typename W::storage* __restrict__ in,
                                                  typename O::storage* __restrict__ out, int64_t n, float alpha,
-                                                 bool vec, bool nonfinite) {
+                                                 bool vec) {
   using OS = typename O::storage;
   const int64_t stride = int64_t(gridDim.x) * kChunk;
   for (int64_t base = int64_t(blockIdx.x) * kChunk + int64_t(threadIdx.x) * kItems; base < n; base += stride) {
@@ -96,7 +92,6 @@ __device__ __forceinline__ void cast_decode_body(const typename W::storage* __re
         const float t = mul_rn(v[j], alpha);
         c[j] = O::store(Acc ? add_rn(o[j], t) : t);
       }
-      if (nonfinite && base == 0) c[0] = O::store(quiet_nan());
       store8<O>(out + base, c);
     } else {
 #pragma unroll 1
@@ -104,7 +99,6 @@ __device__ __forceinline__ void cast_decode_body(const typename W::storage* __re
         const int64_t i = base + j;
         const float t = mul_rn(W::load(in[i]), alpha);
         OS c = O::store(Acc ? add_rn(O::load(out[i]), t) : t);
-        if (nonfinite && i == 0) c = O::store(quiet_nan());
         out[i] = c;
       }
     }
@@ -118,33 +112,29 @@ __global__ void __launch_bounds__(kThreads) cast_decode_kernel(const uint8_t* __
                                                                uint32_t* status) {
   __shared__ int s_wire;
   __shared__ int64_t s_offset;
-  __shared__ bool s_nonfinite;
   if (threadIdx.x == 0) {
+    s_offset = 0;
     const PacketHeader h = load_header(packet);
     const int input = checked_input(h, e);
-    bool nonfinite = false;
     int wire = -1;
     if (input >= 0) {
       const PacketSection sec = expect_section(e, input, 0);
       wire = common::gradient_code(sec.dtype);
       s_offset = sec.offset;
-      const float sentinel = load_dyn(packet + sec.offset, sec.dtype, n);
-      nonfinite = (h.flags & kFlagNonFinite) != 0 || nonfinite_bit(sentinel);
-      if (blockIdx.x == 0 && nonfinite) atomicOr(status, kStatusNonFinite);
+      // every non-finite value travels in the payload: the flag only reaches the status word
+      if (blockIdx.x == 0 && (h.flags & kFlagNonFinite) != 0) atomicOr(status, kStatusNonFinite);
     } else if (blockIdx.x == 0) {
       atomicOr(status, kStatusCorrupt);
     }
     s_wire = wire;
-    s_nonfinite = nonfinite;
   }
   __syncthreads();
   const int wire = s_wire;
-  const bool nonfinite = s_nonfinite;
   const uint8_t* payload = packet + s_offset;
   switch (wire) {
-    case 0: cast_decode_body<F32, O, Acc>(reinterpret_cast<const float*>(payload), out, n, alpha, vec, nonfinite); break;
-    case 1: cast_decode_body<F16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
-    case 2: cast_decode_body<BF16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec, nonfinite); break;
+    case 0: cast_decode_body<F32, O, Acc>(reinterpret_cast<const float*>(payload), out, n, alpha, vec); break;
+    case 1: cast_decode_body<F16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec); break;
+    case 2: cast_decode_body<BF16, O, Acc>(reinterpret_cast<const uint16_t*>(payload), out, n, alpha, vec); break;
     default: break; // corrupt: write nothing
   }
 }

@@ -262,12 +262,12 @@ TEST(TopKRule, PacketBytes) {
   EXPECT_EQ(c3->packet_bytes((int64_t(1) << 32) + 1, DType::float32), 32 + 32 + 16);
   EXPECT_THROW(Codec::create("topk:k=3,index=u32")->packet_bytes((int64_t(1) << 32) + 1, DType::float32),
                InvalidArgument);
-  // casts: header + align16((n + 1) * wire bytes)
+  // casts: header + align16(n * wire bytes)
   for (int64_t n : {0, 1, 7, 8, 1000}) {
-    EXPECT_EQ(Codec::create("none")->packet_bytes(n, DType::float32), 32 + ref::align16((n + 1) * 4));
-    EXPECT_EQ(Codec::create("none")->packet_bytes(n, DType::bfloat16), 32 + ref::align16((n + 1) * 2));
-    EXPECT_EQ(Codec::create("fp16")->packet_bytes(n, DType::float32), 32 + ref::align16((n + 1) * 2));
-    EXPECT_EQ(Codec::create("bf16")->packet_bytes(n, DType::float16), 32 + ref::align16((n + 1) * 2));
+    EXPECT_EQ(Codec::create("none")->packet_bytes(n, DType::float32), 32 + ref::align16(n * 4));
+    EXPECT_EQ(Codec::create("none")->packet_bytes(n, DType::bfloat16), 32 + ref::align16(n * 2));
+    EXPECT_EQ(Codec::create("fp16")->packet_bytes(n, DType::float32), 32 + ref::align16(n * 2));
+    EXPECT_EQ(Codec::create("bf16")->packet_bytes(n, DType::float16), 32 + ref::align16(n * 2));
   }
 }
 

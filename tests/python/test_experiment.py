@@ -40,7 +40,7 @@ def test_experiment_end_to_end(tmp_path):
     for r in rows:
         assert r["error_feedback"] == "True" and r["seed"] == "0"
         assert 0.0 <= float(r["test_accuracy"]) <= 100.0
-    # codec none: packet = 32-byte header + (numel + 1) float32 per bucket, so just above 1
+    # codec none: packet = 32-byte header + numel float32 (padded to 16 bytes) per bucket, so just above 1
     assert 1.0 < float(by["none"]["packet_ratio"]) < 1.001
     assert abs(float(by["none"]["bits_per_element"]) - 32 * float(by["none"]["packet_ratio"])) < 1e-9
     # top-k 0.01: about 8 bytes per kept element over 4 bytes per element, plus headers

@@ -28,8 +28,8 @@ def topk_packet(n, ratio, value_bytes):
 
 
 def cast_packet(n, value_bytes):
-    """32-byte header + (n + 1) wire elements (the last is the non-finite sentinel), padded."""
-    return 32 + pad16(value_bytes * (n + 1))
+    """32-byte header + exactly n wire elements, padded."""
+    return 32 + pad16(value_bytes * n)
 
 
 def test_dtype_bytes_and_dense_bytes():
@@ -71,13 +71,13 @@ def test_bucket_bytes_by_scheme():
     assert planner.bucket_bytes("dense", top, n, torch.float32, W) == {
         "dense_bytes": 12000, "packet_bytes": 12000, "sent_bytes": 18000, "ring_bytes": 18000}
     fp16 = gradcomp.Codec("fp16")
-    # sum: the payload is numel + 1 float16, the header does not travel
-    assert planner.payload_bytes(fp16, n, torch.float32) == 2 * (n + 1)
+    # sum: the payload is exactly numel float16, the header does not travel
+    assert planner.payload_bytes(fp16, n, torch.float32) == 2 * n
     assert planner.bucket_bytes("sum", fp16, n, torch.float32, W) == {
-        "dense_bytes": 12000, "packet_bytes": cast_packet(n, 2), "sent_bytes": 1.5 * 2 * (n + 1),
+        "dense_bytes": 12000, "packet_bytes": cast_packet(n, 2), "sent_bytes": 1.5 * 2 * n,
         "ring_bytes": 18000}
     none_bf16 = planner.bucket_bytes("sum", gradcomp.Codec("none"), n, torch.bfloat16, 2)
-    assert none_bf16 == {"dense_bytes": 6000, "packet_bytes": cast_packet(n, 2), "sent_bytes": 2 * (n + 1),
+    assert none_bf16 == {"dense_bytes": 6000, "packet_bytes": cast_packet(n, 2), "sent_bytes": 2 * n,
                          "ring_bytes": 6000}
     with pytest.raises(ValueError, match="not linear"):
         planner.bucket_bytes("sum", top, n, torch.float32, W)

@@ -30,7 +30,7 @@ class CastCodec final : public FamilyCodec<CastPlan> {
     p.threads = cpu_threads_for(numel);
     LayoutBuilder b(*this, numel, input);
     b.wire(p.wire);
-    b.payload("payload", numel + 1, p.wire);
+    b.payload("payload", numel, p.wire);
     p.layout = b.build();
     return p;
   }

@@ -2,10 +2,13 @@
 // The cast family: codecs none / fp16 / bf16 (DESIGN.md section 3). Round-to-nearest-even casts of
 // x' = x + r (divided by the divisor) to the wire dtype, error feedback fused into the same pass.
 //
-// Packet: header, then one section "payload" of numel + 1 wire elements (the input dtype for
-// codec none, float16 for fp16, bfloat16 for bf16); the last element is the non-finite sentinel
-// (0, or NaN when a non-finite value was encoded), so that a NaN survives a sum allreduce.
-// Linear: the payload is what the `sum` scheme allreduces.
+// Packet: header, then one section "payload" of exactly numel wire elements (the input dtype for
+// codec none, float16 for fp16, bfloat16 for bf16). Linear: the payload is what the `sum` scheme
+// allreduces; being numel elements long, it is cut into the same chunks and summed in the same
+// order as a dense allreduce of the bucket (bitwise parity with PyTorch's allreduce_hook and
+// fp16/bf16_compress_hook wherever they round once). The casts carry every non-finite value
+// (NaN and inf survive a sum by themselves), so no sentinel element is needed and decode does not
+// write NaN into out[0]; the header's non-finite flag still sets the status word.
 #pragma once
 
 #include "../backend.hpp"

@@ -25,7 +25,8 @@ std::unique_ptr<Codec> Codec::create(std::string_view spec) {
   }
   std::string names;
   for (const detail::RegistryEntry& e : detail::registry()) names += (names.empty() ? "" : ", ") + std::string(e.name);
-  throw InvalidArgument(detail::concat("codec spec '", spec, "': unknown codec '", s.name, "'; accepted codecs: ", names));
+  throw InvalidArgument(detail::concat("codec spec '", s.text, "': unknown codec '", detail::display(s.name, 60),
+                                       "'; accepted codecs: ", names));
 }
 
 namespace detail {
@@ -99,7 +100,7 @@ void Codec::encode(const Tensor& x, const Tensor* residual, const Tensor& packet
   if (residual) {
     check_tensor_basics(*residual, "residual", call);
     GRADCOMP_CHECK(residual->dtype == DType::float32, InvalidArgument, call, ": residual has dtype ",
-                   dtype_name(residual->dtype), "; residuals are float32");
+                   dtype_name(residual->dtype), "; accepted: float32 (residuals are float32)");
     GRADCOMP_CHECK(residual->numel == x.numel, InvalidArgument, call, ": residual has ", residual->numel,
                    " elements but x has ", x.numel);
     check_same_device(x, "x", *residual, "residual", call);

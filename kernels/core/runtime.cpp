@@ -10,6 +10,7 @@
 #include "family.hpp"
 #include "gradcomp/error.hpp"
 #include "gradcomp/types.hpp"
+#include "spec.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -57,30 +58,47 @@ std::string to_string(Device d) {
 }
 
 namespace {
-int default_threads() {
-  if (const char* env = std::getenv("GRADCOMP_NUM_THREADS")) {
-    char* end = nullptr;
-    long v = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && v >= 1 && v <= kMaxThreads) return static_cast<int>(v);
-  }
+int openmp_default() {
 #if defined(_OPENMP)
   return std::clamp(omp_get_max_threads(), 1, kMaxThreads);
 #else
   return 1;
 #endif
 }
-std::atomic<int>& thread_setting() {
-  static std::atomic<int> n{default_threads()};
-  return n;
+struct ThreadSetting {
+  std::atomic<int> n{1};
+  std::string env_error;           //!< a GRADCOMP_NUM_THREADS that is not an integer in range
+  std::atomic<bool> env_bad{false}; //!< cleared by set_num_threads
+  ThreadSetting() {
+    n.store(openmp_default());
+    if (const char* env = std::getenv("GRADCOMP_NUM_THREADS")) {
+      char* end = nullptr;
+      errno = 0;
+      const long v = std::strtol(env, &end, 10);
+      if (end != env && *end == '\0' && errno == 0 && v >= 1 && v <= kMaxThreads) {
+        n.store(static_cast<int>(v));
+      } else {
+        env_error = detail::concat("GRADCOMP_NUM_THREADS='", detail::display(env, 40),
+                                   "' is not an integer in [1, ", kMaxThreads,
+                                   "]; unset it or set a thread count in that range (or call set_num_threads)");
+        env_bad.store(true);
+      }
+    }
+  }
+};
+ThreadSetting& thread_setting() {
+  static ThreadSetting s;
+  return s;
 }
 } // namespace
 
 void set_num_threads(int n) {
   GRADCOMP_CHECK(n >= 1 && n <= kMaxThreads, InvalidArgument, "set_num_threads(", n,
                  "): the thread count must be in [1, ", kMaxThreads, "]");
-  thread_setting().store(n);
+  thread_setting().n.store(n);
+  thread_setting().env_bad.store(false);
 }
-int get_num_threads() noexcept { return thread_setting().load(); }
+int get_num_threads() noexcept { return thread_setting().n.load(); }
 
 BuildInfo build_info() {
   BuildInfo b;
@@ -98,7 +116,11 @@ BuildInfo build_info() {
 
 namespace detail {
 
-int cpu_threads_for(int64_t n) { return n < (int64_t(1) << 16) ? 1 : std::max(1, get_num_threads()); }
+int cpu_threads_for(int64_t n) {
+  const ThreadSetting& t = thread_setting();
+  if (t.env_bad.load()) throw InvalidArgument(t.env_error);
+  return n < (int64_t(1) << 16) ? 1 : std::max(1, t.n.load());
+}
 
 void check_numel_dtype(int64_t numel, DType dtype, const char* call) {
   GRADCOMP_CHECK(numel >= 0 && numel < kMaxNumel, InvalidArgument, call, ": numel ", numel,

@@ -8,24 +8,41 @@
 
 namespace gradcomp::detail {
 
+std::string display(std::string_view s, size_t limit) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s.substr(0, limit)) {
+    if (c >= 0x20 && c < 0x7F && c != '\\') {
+      out += char(c);
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  if (s.size() > limit) out += "...(" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
+
 ParsedSpec parse_spec(std::string_view spec) {
   ParsedSpec out;
-  out.text = std::string(spec);
+  out.text = display(spec);
   const size_t colon = spec.find(':');
   out.name = std::string(spec.substr(0, colon));
-  GRADCOMP_CHECK(!out.name.empty(), InvalidArgument, "codec spec '", spec,
+  GRADCOMP_CHECK(!out.name.empty(), InvalidArgument, "codec spec '", out.text,
                  "': empty codec name; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
   if (colon == std::string_view::npos) return out;
   std::string_view rest = spec.substr(colon + 1);
-  GRADCOMP_CHECK(!rest.empty(), InvalidArgument, "codec spec '", spec, "': nothing after ':'; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
+  GRADCOMP_CHECK(!rest.empty(), InvalidArgument, "codec spec '", out.text, "': nothing after ':'; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
   while (true) {
     const size_t comma = rest.find(',');
     const std::string_view item = rest.substr(0, comma);
     const size_t eq = item.find('=');
     GRADCOMP_CHECK(eq != std::string_view::npos && eq > 0 && eq + 1 < item.size(), InvalidArgument, "codec spec '",
-                   spec, "': option '", item, "' is not key=value; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
+                   out.text, "': option '", display(item, 60),
+                   "' is not key=value; expected name[:key=value,...], e.g. 'topk:ratio=0.01'");
     std::string key(item.substr(0, eq));
-    GRADCOMP_CHECK(!out.options.count(key), InvalidArgument, "codec spec '", spec, "': key '", key,
+    GRADCOMP_CHECK(!out.options.count(key), InvalidArgument, "codec spec '", out.text, "': key '", display(key, 60),
                    "' given twice");
     out.options.emplace(std::move(key), std::string(item.substr(eq + 1)));
     if (comma == std::string_view::npos) break;
@@ -41,27 +58,52 @@ void check_keys(const ParsedSpec& s, const std::vector<std::string_view>& allowe
     if (ok) continue;
     std::string list;
     for (auto a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
-    throw InvalidArgument(detail::concat("codec spec '", s.text, "': unknown key '", key, "' for codec '", s.name,
-                                         "'; accepted keys: ", list.empty() ? "(none)" : list));
+    throw InvalidArgument(detail::concat("codec spec '", s.text, "': unknown key '", display(key, 60), "' for codec '",
+                                         display(s.name, 60), "'; accepted keys: ", list.empty() ? "(none)" : list));
   }
 }
 
+namespace {
+//! One leading '+' is accepted (not kept in the canonical spec).
+std::string_view strip_plus(std::string_view v) {
+  return v.size() > 1 && v[0] == '+' && v[1] != '-' && v[1] != '+' ? v.substr(1) : v;
+}
+//! For a decimal that from_chars found out of range (it then leaves no value): a negative exponent
+//! means it underflows, anything else that it overflows.
+bool underflows(std::string_view v) {
+  const size_t e = v.find_first_of("eE");
+  return e != std::string_view::npos && e + 1 < v.size() && v[e + 1] == '-';
+}
+std::string tail(std::string_view accepted) {
+  return accepted.empty() ? std::string() : "; accepted: " + std::string(accepted);
+}
+} // namespace
+
 double parse_double(const ParsedSpec& s, std::string_view key, std::string_view value, std::string_view accepted) {
-  double v = 0;
-  auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
-  GRADCOMP_CHECK(ec == std::errc() && ptr == value.data() + value.size() && std::isfinite(v), InvalidArgument,
-                 "codec spec '", s.text, "': ", key, "='", value, "' is not a finite number",
-                 accepted.empty() ? "" : "; accepted: ", accepted);
-  return v;
+  const std::string_view v = strip_plus(value);
+  double x = 0;
+  auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  const bool whole = ptr == v.data() + v.size();
+  GRADCOMP_CHECK(whole && ec != std::errc::invalid_argument, InvalidArgument, "codec spec '", s.text, "': ", key, "='",
+                 display(value, 60), "' is not a number", tail(accepted));
+  GRADCOMP_CHECK(ec != std::errc::result_out_of_range, InvalidArgument, "codec spec '", s.text, "': ", key, "='",
+                 display(value, 60), "' is out of the range of binary64 (it ",
+                 underflows(v) ? "underflows to 0" : "overflows to infinity", ")", tail(accepted));
+  GRADCOMP_CHECK(std::isfinite(x), InvalidArgument, "codec spec '", s.text, "': ", key, "='", display(value, 60),
+                 "' is not a finite number", tail(accepted));
+  return x;
 }
 
 int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view value, std::string_view accepted) {
-  int64_t v = 0;
-  auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
-  GRADCOMP_CHECK(ec == std::errc() && ptr == value.data() + value.size(), InvalidArgument, "codec spec '", s.text,
-                 "': ", key, "='", value, "' is not an integer",
-                 accepted.empty() ? "" : "; accepted: ", accepted);
-  return v;
+  const std::string_view v = strip_plus(value);
+  int64_t x = 0;
+  auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  const bool whole = ptr == v.data() + v.size();
+  GRADCOMP_CHECK(whole && ec != std::errc::invalid_argument, InvalidArgument, "codec spec '", s.text, "': ", key, "='",
+                 display(value, 60), "' is not an integer", tail(accepted));
+  GRADCOMP_CHECK(ec != std::errc::result_out_of_range, InvalidArgument, "codec spec '", s.text, "': ", key, "='",
+                 display(value, 60), "' is out of range (it does not fit a 64-bit integer)", tail(accepted));
+  return x;
 }
 
 std::string format_double(double v) {

@@ -13,8 +13,12 @@ namespace gradcomp::detail {
 struct ParsedSpec {
   std::string name;
   std::map<std::string, std::string, std::less<>> options;
-  std::string text; //!< the spec as given, for messages
+  std::string text; //!< the spec as given, for messages: display() form (escaped, at most ~120 chars)
 };
+
+//! `s` as it may appear in a message: bytes outside printable ASCII as \xNN (so a NUL cannot cut
+//! the message), and no more than `limit` characters (then "...(N bytes)").
+std::string display(std::string_view s, size_t limit = 120);
 
 //! Split a spec into name and key=value pairs. Throws InvalidArgument on empty names/keys/values,
 //! a missing '=', or a repeated key.
@@ -23,8 +27,9 @@ ParsedSpec parse_spec(std::string_view spec);
 //! Throw InvalidArgument for a key of `s` not in `allowed`, listing the accepted keys.
 void check_keys(const ParsedSpec& s, const std::vector<std::string_view>& allowed);
 
-//! Parse a binary64 / int64 option value; InvalidArgument naming key and value on failure, and
-//! listing `accepted` (e.g. "0 < ratio <= 1") when given.
+//! Parse a binary64 / int64 option value (decimal, one leading '+' allowed); InvalidArgument naming
+//! key and value on failure -- what is wrong (not a number, not an integer, out of the range of
+//! binary64 / int64) -- and listing `accepted` (e.g. "0 < ratio <= 1") when given.
 double parse_double(const ParsedSpec& s, std::string_view key, std::string_view value,
                     std::string_view accepted = {});
 int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view value, std::string_view accepted = {});

@@ -287,3 +287,52 @@ TEST(Spec, BuildInfo) {
   EXPECT_THROW(gradcomp::read_status(w), gradcomp::Unsupported);
 #endif
 }
+
+// What each spec message says is wrong (issue: integers only too large, numbers out of binary64's
+// range, a leading '+', NUL bytes, huge specs).
+TEST(Spec, MessagesSayWhatIsWrong) {
+  std::string m = create_error("topk:k=99999999999999999999999");
+  EXPECT_TRUE(contains(m, "does not fit a 64-bit integer")) << m;
+  EXPECT_FALSE(contains(m, "is not an integer")) << m;
+  m = create_error("topk:ratio=1e-400");
+  EXPECT_TRUE(contains(m, "1e-400") && contains(m, "underflows to 0") && contains(m, "0 < ratio <= 1")) << m;
+  EXPECT_FALSE(contains(m, "not a finite number")) << m;
+  m = create_error("topk:ratio=1e400");
+  EXPECT_TRUE(contains(m, "overflows to infinity")) << m;
+  m = create_error("topk:ratio=abc");
+  EXPECT_TRUE(contains(m, "'abc' is not a number")) << m;
+  m = create_error("topk:k=1.5");
+  EXPECT_TRUE(contains(m, "'1.5' is not an integer")) << m;
+  // a leading '+' is a number: accepted, and dropped from the canonical spec
+  EXPECT_EQ(Codec::create("topk:ratio=+0.5")->spec(), "topk:ratio=0.5");
+  EXPECT_EQ(Codec::create("topk:k=+7")->spec(), "topk:k=7");
+  EXPECT_TRUE(contains(create_error("topk:ratio=++0.5"), "is not a number"));
+  EXPECT_TRUE(contains(create_error("topk:ratio=+-0.5"), "is not a number"));
+  // a NUL byte is shown escaped and the reason follows it
+  m = create_error(std::string("topk:ratio=0.1\0x", 16));
+  EXPECT_TRUE(contains(m, "0.1\\x00x") && contains(m, "is not a number")) << m;
+  m = create_error(std::string("to\0pk", 5));
+  EXPECT_TRUE(contains(m, "to\\x00pk") && contains(m, "accepted codecs")) << m;
+  // a 1 MB spec is not echoed whole
+  m = create_error("topk:ratio=0.1,x=" + std::string(1 << 20, 'y'));
+  EXPECT_LT(m.size(), 800u) << m.size();
+  EXPECT_TRUE(contains(m, "(1048593 bytes)") && contains(m, "unknown key")) << m.substr(0, 300);
+  m = create_error(std::string(1 << 20, 'z'));
+  EXPECT_LT(m.size(), 800u);
+  EXPECT_TRUE(contains(m, "unknown codec")) << m.substr(0, 300);
+}
+
+TEST(Spec, ThreadCountRange) {
+  EXPECT_THROW(gradcomp::set_num_threads(0), InvalidArgument);
+  EXPECT_THROW(gradcomp::set_num_threads(gradcomp::kMaxThreads + 1), InvalidArgument);
+  try {
+    gradcomp::set_num_threads(100000);
+    ADD_FAILURE() << "no exception";
+  } catch (const InvalidArgument& e) {
+    EXPECT_TRUE(contains(e.what(), "100000") && contains(e.what(), "[1, 1024]")) << e.what();
+  }
+  const int old = gradcomp::get_num_threads();
+  gradcomp::set_num_threads(gradcomp::kMaxThreads);
+  EXPECT_EQ(gradcomp::get_num_threads(), gradcomp::kMaxThreads);
+  gradcomp::set_num_threads(old);
+}

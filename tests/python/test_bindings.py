@@ -4,6 +4,7 @@ word, threads, build info. Expected packets come from test_codec_support.py's re
 from __future__ import annotations
 
 import gc
+import io
 import os
 import sys
 
@@ -74,6 +75,9 @@ def test_build_info():
 
 
 def test_set_num_threads(restore_threads):
+    with pytest.raises(IAE, match=r"set_num_threads\(100000\).*\[1, 1024\]"):
+        gradcomp.set_num_threads(100000)
+    assert gradcomp._C.MAX_THREADS == 1024
     for bad in (0, -1):
         with pytest.raises(IAE, match=rf"set_num_threads\({bad}\)"):
             gradcomp.set_num_threads(bad)
@@ -321,11 +325,11 @@ def test_bad_arguments():
     with pytest.raises(IAE, match="not 16-byte aligned"):
         c.encode(x, out=aligned_bytes(nb, offset=1))
     # residual of the wrong dtype / size
-    with pytest.raises(IAE, match="residual has dtype float16; residuals are float32"):
+    with pytest.raises(IAE, match="residual has dtype float16; accepted: float32"):
         c.encode(x, residual=torch.zeros(n, dtype=torch.float16).numpy())
-    with pytest.raises(IAE, match="residual has dtype bfloat16; residuals are float32"):
+    with pytest.raises(IAE, match="residual has dtype bfloat16; accepted: float32"):
         c.encode(torch.from_numpy(x), residual=torch.zeros(n, dtype=torch.bfloat16))
-    with pytest.raises(IAE, match=r"residual.*bits 64.*accepted"):
+    with pytest.raises(IAE, match="encode: residual has dtype float64; accepted: float32"):
         c.encode(x, residual=np.zeros(n))
     with pytest.raises(IAE, match="residual has 15 elements but x has 16"):
         c.encode(x, residual=np.zeros(n - 1, np.float32))
@@ -337,13 +341,13 @@ def test_bad_arguments():
     p = c.encode(x)
     with pytest.raises(IAE, match="numel="):
         c.decode(p)
-    with pytest.raises(IAE, match="dtype float64 is not accepted; accepted: float32, float16, bfloat16"):
+    with pytest.raises(IAE, match="decode: dtype=float64; accepted: float32, float16, bfloat16"):
         c.decode(p, numel=n, dtype="float64")
     with pytest.raises(IAE, match="out has dtype int32; accepted"):
         c.decode(p, out=np.zeros(n, np.int32))
     with pytest.raises(IAE, match="alpha"):
         c.decode(p, numel=n, alpha=float("inf"))
-    with pytest.raises(CPE, match="packet header says numel 16 but numel=15"):
+    with pytest.raises(IAE, match="numel=15 but the packet's header says 16"):
         c.decode(p, numel=n - 1)
     with pytest.raises(CPE, match="less than the 32-byte header"):
         c.decode(p[:16], numel=n)
@@ -594,3 +598,69 @@ def test_layout_of_topk_and_cast():
     assert lay["bytes"] == 64 and lay["wire_dtype"] == "float16" and lay["index_dtype"] == "none"
     with pytest.raises(IAE, match="numel=-1"):
         gradcomp.Codec("none").layout(-1)
+
+
+# ---- issue 8: arguments named, values, threads ---------------------------------------------------
+def test_codec_is_a_value_pickled_by_spec():
+    import pickle
+
+    a, b = gradcomp.Codec("topk:ratio=0.010"), gradcomp.Codec("topk:ratio=0.01")
+    assert a == b and hash(a) == hash(b) and a != gradcomp.Codec("topk:ratio=0.02") and a != "topk:ratio=0.01"
+    assert len({a, b, gradcomp.Codec("fp16")}) == 2
+    for c in (a, gradcomp.Codec("fp16"), gradcomp.Codec("topk:k=3,index=u64,value_dtype=bfloat16")):
+        x = np.arange(40, dtype=np.float32)
+        c.encode(x)  # a cached workspace must not prevent pickling
+        c2 = pickle.loads(pickle.dumps(c))
+        assert c2 == c and c2.spec == c.spec
+        np.testing.assert_array_equal(c2.encode(x), c.encode(x))
+        buf = io.BytesIO()
+        torch.save({"codec": c}, buf)
+        buf.seek(0)
+        assert torch.load(buf, weights_only=False)["codec"] == c
+
+
+def test_decode_checks_numel_and_dtype_against_out():
+    c = gradcomp.Codec("fp16")
+    p = c.encode(np.arange(8, dtype=np.float32))
+    out = np.zeros(8, np.float32)
+    c.decode(p, out=out, numel=8, dtype="float32")
+    np.testing.assert_array_equal(out, np.arange(8))
+    with pytest.raises(IAE, match="numel=7 but the packet's header says 8"):
+        c.decode(p, out=out, numel=7)
+    with pytest.raises(IAE, match="dtype=float16 but out has dtype float32"):
+        c.decode(p, out=out, dtype="float16")
+    t = torch.zeros(8, dtype=torch.bfloat16)
+    c.decode(p, out=t)  # no dtype given: out's dtype is used
+    with pytest.raises(IAE, match="dtype=float32 but out has dtype bfloat16"):
+        c.decode(p, out=t, dtype=torch.float32)
+    # float64 outputs and residuals: the same wording as every other dtype
+    with pytest.raises(IAE, match="decode: out has dtype float64; accepted: float32, float16, bfloat16"):
+        c.decode(p, out=np.zeros(8))
+    with pytest.raises(IAE, match="decode: out has dtype int32; accepted: float32, float16, bfloat16"):
+        c.decode(p, out=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(IAE, match="encode: residual has dtype float64; accepted: float32"):
+        c.encode(torch.ones(8), residual=torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(IAE, match="encode: x has dtype float64; accepted: float32, float16, bfloat16"):
+        c.encode(torch.ones(8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "100000", "2.5", ""])
+def test_invalid_thread_environment_is_an_error(value):
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, gradcomp\n"
+            "try:\n    gradcomp.Codec('fp16').encode(np.ones(70000, np.float32))\n"
+            "except gradcomp.InvalidArgumentError as e:\n    print('ERR', e)\n")
+    env = dict(os.environ, GRADCOMP_NUM_THREADS=value)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    if value == "":
+        assert "ERR" in p.stdout and "GRADCOMP_NUM_THREADS=''" in p.stdout
+    else:
+        assert f"ERR GRADCOMP_NUM_THREADS='{value}' is not an integer in [1, 1024]" in p.stdout, p.stdout
+    # a valid value is taken
+    env["GRADCOMP_NUM_THREADS"] = "3"
+    p = subprocess.run([sys.executable, "-c", "import gradcomp; print(gradcomp.get_num_threads())"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.stdout.strip() == "3"

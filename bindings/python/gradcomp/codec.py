@@ -91,12 +91,14 @@ def _count(v: Any, what: str) -> int:
     return int(v)
 
 
-def _numel_dtype(x: Any) -> tuple[int, str]:
+def _numel_dtype(x: Any, what: str = "x") -> tuple[int, str]:
     if _is_torch(x):
-        check_tensor(x, "x")
+        check_tensor(x, what)
         return x.numel(), _dtype_name(x.dtype)
     if isinstance(x, np.ndarray):
         return x.size, x.dtype.name
+    if what != "x" and hasattr(x, "__dlpack__"):
+        return -1, ""  # another DLPack tensor: the core checks it
     raise _C.InvalidArgumentError(
         f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}"
     )
@@ -254,6 +256,20 @@ class Codec:
     def __repr__(self) -> str:
         return f"gradcomp.Codec({self.spec!r})"
 
+    # Codecs are values: equal when their canonical specs are (``Codec("topk:ratio=0.010") ==
+    # Codec("topk:ratio=0.01")``), hashable, and pickled by their spec (a workspace is rebuilt on
+    # first use), so a hook state holding one can be saved with torch.save.
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, Codec):
+            return NotImplemented
+        return self.spec == other.spec
+
+    def __hash__(self) -> int:
+        return hash(("gradcomp.Codec", self.spec))
+
+    def __reduce__(self):
+        return (Codec, (self.spec,))
+
     # -- workspaces ----------------------------------------------------------------------------
     def workspace(self, like: Any, numel: int = 0, dtype: Any = "float32"):
         """The workspace this thread uses on like's device, grown to fit (numel, dtype). Its first
@@ -309,6 +325,11 @@ class Codec:
         for t, what in ((residual, "residual"), (out, "out"), (workspace, "workspace")):
             if t is not None:
                 check_tensor(t, what)
+        if residual is not None:
+            _, rname = _numel_dtype(residual, "residual")
+            if rname and rname != "float32":
+                raise _C.InvalidArgumentError(
+                    f"encode: residual has dtype {rname}; accepted: float32 (residuals are float32)")
         if out is None:
             out = aligned_empty(x, self.packet_bytes(numel, dtype))
         if workspace is None:
@@ -319,7 +340,7 @@ class Codec:
         return out
 
     def decode(self, packet: Any, out: Any = None, numel: Optional[int] = None,
-               dtype: Any = "float32", accumulate: bool = False, alpha: float = 1.0,
+               dtype: Any = None, accumulate: bool = False, alpha: float = 1.0,
                workspace: Any = None):
         """Decode a packet: ``out = alpha * D(packet)`` or, with accumulate, ``out += ...``.
 
@@ -327,7 +348,9 @@ class Codec:
             packet: uint8 buffer produced by ``encode`` of this codec.
             out: float32/float16/bfloat16 tensor whose numel is the packet's; allocated with the
                 packet's framework on its device (zeros) when None, then ``numel`` is required.
-            numel, dtype: size and dtype of the allocated ``out``.
+            numel, dtype: size (elements) and dtype (default float32) of the allocated ``out``;
+                with ``out`` given they are optional checks: a numel or dtype that differs from
+                ``out``'s raises InvalidArgumentError.
             accumulate: add into ``out`` instead of overwriting it.
             alpha: scale applied to every decoded value.
             workspace: receives the status word; the codec's cached one when None.
@@ -336,27 +359,43 @@ class Codec:
             ``out``.
 
         Raises:
-            CorruptPacketError: (CPU) the packet does not match this codec, numel or dtype, or
-                carries an index out of range, out of order or repeated; nothing is written.
-            InvalidArgumentError: bad arguments, e.g. out=None without numel.
+            CorruptPacketError: (CPU) the packet does not match this codec, out's numel or dtype,
+                or carries an index out of range, out of order or repeated; nothing is written.
+            InvalidArgumentError: bad arguments: out=None without numel, a numel= that differs
+                from the packet's header or from out, a dtype= that differs from out's, a dtype
+                that is not a gradient dtype.
         """
         alpha = _number(alpha, "alpha") if alpha != 0 else 0.0
         check_tensor(packet, "packet")
         for t, what in ((out, "out"), (workspace, "workspace")):
             if t is not None:
                 check_tensor(t, what)
-        if out is None:
-            if numel is None:
-                raise _C.InvalidArgumentError("decode: out=None needs numel= (the packet's element count)")
+        name = None
+        if dtype is not None:
+            name = _dtype_name(dtype)
+            if name not in _GRADIENT_DTYPES:
+                raise _C.InvalidArgumentError(f"decode: dtype={name}; accepted: float32, float16, bfloat16")
+        if numel is not None:
             numel = _count(numel, "numel")
             hdr = _header_numel(packet)
             if hdr is not None and hdr != numel:
-                raise _C.CorruptPacketError(f"decode: packet header says numel {hdr} but numel={numel} was given")
-            name = _dtype_name(dtype)
-            if name not in _GRADIENT_DTYPES:
                 raise _C.InvalidArgumentError(
-                    f"decode: dtype {name} is not accepted; accepted: float32, float16, bfloat16"
-                )
+                    f"decode: numel={numel} but the packet's header says {hdr} elements; pass the numel the "
+                    f"packet was encoded with")
+        if out is not None:
+            onumel, oname = _numel_dtype(out, "out")
+            if onumel >= 0:  # torch / numpy (other DLPack tensors are checked by the core)
+                if numel is not None and numel != onumel:
+                    raise _C.InvalidArgumentError(f"decode: numel={numel} but out has {onumel} elements")
+                if name is not None and name != oname:
+                    raise _C.InvalidArgumentError(f"decode: dtype={name} but out has dtype {oname}")
+                if oname not in _GRADIENT_DTYPES:
+                    raise _C.InvalidArgumentError(
+                        f"decode: out has dtype {oname}; accepted: float32, float16, bfloat16")
+        else:
+            if numel is None:
+                raise _C.InvalidArgumentError("decode: out=None needs numel= (the packet's element count)")
+            name = name or "float32"
             if _is_torch(packet):
                 torch = _torch()
                 out = torch.zeros(int(numel), dtype=getattr(torch, name), device=packet.device)

@@ -22,12 +22,12 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
     if (has_ratio) {
       const std::string& v = s.options.find("ratio")->second;
       ratio_ = parse_double(s, "ratio", v, "0 < ratio <= 1");
-      GRADCOMP_CHECK(ratio_ > 0.0 && ratio_ <= 1.0, InvalidArgument, "codec spec '", s.text, "': ratio=", v,
-                     " is out of range; accepted: 0 < ratio <= 1");
+      GRADCOMP_CHECK(ratio_ > 0.0 && ratio_ <= 1.0, InvalidArgument, "codec spec '", s.text, "': ratio=",
+                     display(v, 60), " is out of range; accepted: 0 < ratio <= 1");
     } else {
       const std::string& v = s.options.find("k")->second;
       k_ = parse_int(s, "k", v, "an integer >= 0");
-      GRADCOMP_CHECK(k_ >= 0, InvalidArgument, "codec spec '", s.text, "': k=", v,
+      GRADCOMP_CHECK(k_ >= 0, InvalidArgument, "codec spec '", s.text, "': k=", display(v, 60),
                      " is out of range; accepted: an integer >= 0");
     }
     if (auto it = s.options.find("index"); it != s.options.end()) {
@@ -35,7 +35,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
       else if (it->second == "u32") index_ = IndexMode::u32;
       else if (it->second == "u64") index_ = IndexMode::u64;
       else
-        throw InvalidArgument(concat("codec spec '", s.text, "': index='", it->second,
+        throw InvalidArgument(concat("codec spec '", s.text, "': index='", display(it->second, 60),
                                      "' is not accepted; accepted: auto, u32, u64"));
     }
     if (auto it = s.options.find("value_dtype"); it != s.options.end()) {
@@ -43,7 +43,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
       else if (it->second == "float32" || it->second == "float16" || it->second == "bfloat16")
         value_ = dtype_from_name(it->second);
       else
-        throw InvalidArgument(concat("codec spec '", s.text, "': value_dtype='", it->second,
+        throw InvalidArgument(concat("codec spec '", s.text, "': value_dtype='", display(it->second, 60),
                                      "' is not accepted; accepted: auto, float32, float16, bfloat16"));
     }
     std::string c = has_k_ ? "topk:k=" + std::to_string(k_) : "topk:ratio=" + format_double(ratio_);

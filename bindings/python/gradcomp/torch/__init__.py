@@ -12,10 +12,22 @@ Usage::
     # or, both at once:
     state = gradcomp.torch.register(ddp_model, codec="topk:ratio=0.01")
 
-See :class:`Compressor` and :class:`CompressionState` for the schemes, error feedback, the
-non-finite rule and the byte accounting (DESIGN.md sections 4 and 5). Modules: ``compressor``
-(the allreduce), ``hook`` (DDP), ``residuals`` (error-feedback state), ``stats`` (accounting and
-the one-step-late reads), ``pool`` (a gloo process pool for tests and experiments).
+    # AMP with dynamic loss scaling: residuals follow the scale
+    state.attach_grad_scaler(scaler)
+
+    # checkpoint as PyTorch's PowerSGDState (per rank), then register on a new DDP model
+    torch.save({"state_dict": ddp_model.state_dict(), "comm_hook": gradcomp.torch.compression_hook,
+                "comm_hook_state": state}, f"ckpt_rank{rank}.pt")
+    ck = torch.load(f"ckpt_rank{rank}.pt", weights_only=False)
+    new_ddp.load_state_dict(ck["state_dict"])
+    gradcomp.torch.register(new_ddp, state=ck["comm_hook_state"])
+
+The codec is always given: there is no default. See :class:`Compressor` and
+:class:`CompressionState` for the schemes, error feedback, the non-finite rule, loss scaling,
+checkpoints and the byte accounting; the README's "Compressed allreduce for any training loop" and
+"DDP communication hook" sections are the user guide. Modules: ``compressor`` (the allreduce),
+``hook`` (DDP), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
+reads, the log handler), ``pool`` (a gloo process pool for tests and experiments).
 
 Sources: PyTorch DDP communication hooks (``torch.distributed.algorithms.ddp_comm_hooks``,
 ``DistributedDataParallel.register_comm_hook``); top-k sparsification with error feedback: Aji &

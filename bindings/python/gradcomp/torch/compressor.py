@@ -1,10 +1,11 @@
-"""The compressed allreduce for any hook or training loop: :class:`Compressor` (DESIGN.md section 6).
+"""The compressed allreduce for any hook or training loop: :class:`Compressor`.
 
 A Compressor owns one codec, the error-feedback residuals (:class:`ResidualStore`), the per-layout
 scheme buffers and the step records (:class:`Stats`); it picks a scheme per tensor layout through
 :func:`gradcomp.planner.choose_scheme` and runs it from :mod:`gradcomp.schemes`. The DDP hook
 (:mod:`gradcomp.torch.hook`) is built on it, so both share one implementation of
-encode / communicate / decode, error feedback, the non-finite rule and the accounting.
+encode / communicate / decode, error feedback, the non-finite rule, loss-scale tracking and the
+accounting. The README's "Compressed allreduce for any training loop" section is the user guide.
 
 Sources: top-k sparsification with locally accumulated residuals: Aji & Heafield, "Sparse
 Communication for Distributed Gradient Descent", EMNLP 2017; Lin et al., "Deep Gradient
@@ -33,6 +34,11 @@ log = logging.getLogger("gradcomp")
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes that are compressed; others (float64, complex) and sparse tensors go dense."""
+
+CAST_CODECS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The 16-bit cast codecs and their wire dtype: on a 16-bit tensor they save nothing."""
+
+PICKLE_VERSION = 1
 
 SCHEME_CHOICES = ("auto", "sum", "gather", "dense")
 
@@ -83,8 +89,9 @@ class Compressor:
     """Compressed allreduce over a process group, with error feedback, for any loop or hook.
 
     Args:
-        codec: codec spec (``"topk:ratio=0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``; DESIGN.md
-            section 3) or a :class:`gradcomp.Codec`.
+        codec: codec spec (``"topk:ratio=0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``; the README's
+            "What is here" table, ``gradcomp.codecs()``) or a :class:`gradcomp.Codec`. Required:
+            there is no default codec.
         scheme: ``"sum"`` (linear codecs: one SUM allreduce of the packet's payload; encode divides
             by W), ``"gather"`` (any codec: all-gather the fixed-size packets, decode all W in
             rank order into one float32 accumulator, round once), ``"dense"`` (divide by W, SUM
@@ -100,7 +107,11 @@ class Compressor:
             before the call, or zeroed -- decided on the device, no host synchronization.
         on_corrupt: ``"raise"`` (default) or ``"log"``: what a corrupt packet met by a CUDA decode
             does when its status word is read one step later (CPU decodes raise at once).
-        log_every: log a stats line every N steps through ``logging.getLogger("gradcomp")``.
+        log_every: log a stats line every N steps through ``logging.getLogger("gradcomp")`` at
+            INFO. When that logger has no handler anywhere (``hasHandlers()`` is False: logging
+            not configured), a stderr ``StreamHandler`` at INFO is attached to it once
+            (:data:`gradcomp.torch.stats.STDERR_HANDLER`); configure logging first to route the
+            lines elsewhere.
 
     Steps: a step ends at :meth:`end_step`, or when :meth:`allreduce` sees a name a second time
     (so a loop that reduces each name once per iteration needs no call). Records, the one-step-
@@ -109,6 +120,20 @@ class Compressor:
     Non-finite results: every rank sees the same averaged tensor, so every rank decides alike;
     the result is returned as is (without a GradScaler an optimizer applies it) and the step is
     logged and counted in ``stats()["nonfinite_steps"]`` one step late.
+
+    Loss scaling: with :meth:`attach_grad_scaler` the residuals follow the scaler's scale (see
+    there); a step the scaler skips (inf/NaN gradients) is a non-finite step above.
+
+    16-bit tensors: the ``fp16`` and ``bf16`` codecs save nothing on a float16/bfloat16 tensor
+    (one warning per codec and dtype; use ``"none"``, or a smaller codec).
+
+    Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (per rank, bit-exact, checked
+    against the rank, codec and error_feedback), or pickle the Compressor itself
+    (``torch.save(comp)``): config, residuals (bit-exact), step count and stats travel; the
+    process group and an attached GradScaler do not (a warning): a Compressor comes back on the
+    default group -- :meth:`set_process_group` moves it -- and its residuals are loaded, with
+    the checks of ``load_state_dict(strict=True)``, by the first of :meth:`set_process_group`,
+    :meth:`state_dict`, :meth:`residual` or the first reduction. Pickle between steps.
 
     Attributes:
         codec: the :class:`gradcomp.Codec`; world_size, rank: of ``group``.
@@ -147,6 +172,10 @@ class Compressor:
         self._names: Dict[str, Tuple[int, torch.device]] = {}  # allreduce()/load names: numel, device
         self._fallback: set = set()  # keys that took the dense path for their dtype or layout
         self._step_names: set = set()
+        self._scaler = None  # an attached GradScaler
+        self._unit: Optional[torch.Tensor] = None  # the loss scale the residuals are in (None: 1)
+        self._unit_step = -1  # the step whose residuals were last brought to the scaler's scale
+        self._restored: Optional[dict] = None  # a state_dict from a pickle, loaded on first use
 
     nonfinite = property(lambda self: self.store.nonfinite, doc="``\"restore\"`` or ``\"reset\"`` (read-only).")
     log_every = property(lambda self: self._stats.log_every, doc="Steps between stats log lines (read-only).")
@@ -203,7 +232,7 @@ class Compressor:
         return self._reduce(tensor, ("name", name), ((name, 0, n),))
 
     def allreduce_bucket(self, tensor: torch.Tensor, index: int, params: Union[ParamMap, Callable[[], ParamMap]],
-                         *, joined: bool = False, dense: bool = False) -> torch.futures.Future:
+                         *, joined: bool = False, dense: bool = False, dense_reason: str = "") -> torch.futures.Future:
         """Average a flat bucket holding several named tensors (what the DDP hook calls).
 
         Args:
@@ -214,26 +243,38 @@ class Compressor:
                 it (called only when the bucket gets a layout).
             joined: this rank has no data (DDP ``join()``): send exact zeros, keep the residuals.
             dense: send this call dense (e.g. a warm-up); its residuals are flushed into it.
+            dense_reason: when not empty, why the bucket cannot be compressed (e.g. it holds the
+                float32 view of complex parameters): it takes the dense path, as other dtypes do,
+                with one warning per distinct reason.
 
         Returns:
             A Future holding ``tensor`` with the average. Raises as :meth:`allreduce`.
         """
-        return self._reduce(tensor, ("index", int(index)), params, joined=joined, dense=dense)
+        return self._reduce(tensor, ("index", int(index)), params, joined=joined, dense=dense,
+                            dense_reason=dense_reason)
 
     def end_step(self) -> None:
         """End the current step (the next reduction starts step ``iter + 1``)."""
         self.iter += 1
         self._step_names.clear()
 
-    def _reduce(self, tensor, key, params, joined=False, dense=False) -> torch.futures.Future:
+    def _reduce(self, tensor, key, params, joined=False, dense=False, dense_reason="") -> torch.futures.Future:
         if self.world_size == 1:
             return completed(tensor)
+        self._load_restored(strict=True)
         rec = self._stats.record(self.iter)
+        if self._unit_step != self.iter and (self._scaler is not None or self._unit is not None):
+            self._follow_scale()
+        kind = "bucket" if key[0] == "index" else "tensor"
         if tensor.layout != torch.strided or tensor.dtype not in SUPPORTED_DTYPES:
             self._fallback.add(key)
-            kind = "bucket" if key[0] == "index" else "tensor"
             self._warn_once(("dtype", tensor.dtype, tensor.layout),
                             f"gradcomp: {kind} of dtype {tensor.dtype} / layout {tensor.layout} takes the dense path")
+            return self._dense(rec, tensor, key, None, joined)
+        if dense_reason:
+            self._fallback.add(key)
+            self._routes.pop(key, None)
+            self._warn_once(("reason", dense_reason), f"gradcomp: {_label(key)} takes the dense path: {dense_reason}")
             return self._dense(rec, tensor, key, None, joined)
         route = self._route(key, tensor, params)
         if dense or route.scheme == "dense":
@@ -249,6 +290,17 @@ class Compressor:
             scheme = planner.choose_scheme(self.codec, lay.numel, lay.dtype, self.world_size, self.scheme,
                                            self.min_compress_numel)
             route = self._routes[key] = _Route(lay, scheme)
+            self._fallback.discard(key)
+            wire = CAST_CODECS.get(self.codec.spec)
+            if scheme != "dense" and wire is not None and lay.dtype in (torch.float16, torch.bfloat16):
+                dt = str(lay.dtype).replace("torch.", "")
+                loss = ("" if wire == lay.dtype else
+                        "; it also rounds every value to " + str(wire).replace("torch.", "") +
+                        (" (fewer mantissa bits)" if wire == torch.bfloat16 else " (overflows beyond 65504)"))
+                self._warn_once(("cast16", self.codec.spec, lay.dtype),
+                                f"gradcomp: codec {self.codec.spec} on a {dt} {_label(key).split()[0]} saves nothing "
+                                f"(16 bits per element either way){loss}; use codec 'none' for the same bytes "
+                                f"without a cast, or a smaller codec (e.g. 'topk:ratio=0.01')")
             log.info("gradcomp: %s layout: %d elements, %s, %d parameters, scheme %s (codec %s, W=%d)",
                      _label(key), lay.numel, str(lay.dtype).replace("torch.", ""), len(lay.params), scheme,
                      self.codec.spec, self.world_size)
@@ -264,7 +316,7 @@ class Compressor:
     def _dense(self, rec: StepRecord, tensor, key, lay: Optional[Layout], joined: bool):
         b = self._bucket(key, tensor, "dense")
         self._stats.account(rec, b)
-        # parameters that go dense add their residual to the gradient they send (DESIGN 4)
+        # parameters that go dense add their residual to the gradient they send (ResidualStore.flush)
         flushed = self.store.flush(lay, tensor.view(-1)) if lay is not None and not joined else []
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
         fut = SCHEMES["dense"](tensor, self._dense_ctx, probe=probe)
@@ -340,7 +392,10 @@ class Compressor:
 
         Raises:
             KeyError: ``name`` was never reduced nor loaded.
+            ValueError: a pickled Compressor whose checkpoint does not match (see
+                :meth:`load_state_dict`; it is loaded here when nothing loaded it before).
         """
+        self._load_restored(strict=True)
         r = self.store.residual(name)
         if r is not None:
             return r
@@ -355,7 +410,7 @@ class Compressor:
         return self._stats.nonfinite_steps
 
     def stats(self) -> dict:
-        """Byte and time accounting (DESIGN.md section 5).
+        """Byte and time accounting (the README's "The main job" and "DDP communication hook").
 
         Returns ``{"steps", "world_size", "codec", "nonfinite_steps", "step", "total", "buckets"}``:
         ``step`` (the most recent step) and ``total`` (all steps) hold ``numel``, ``dense_bytes``
@@ -373,28 +428,130 @@ class Compressor:
         """
         return self._stats.summary()
 
+    # -- loss scaling --------------------------------------------------------------------------
+    def attach_grad_scaler(self, scaler) -> None:
+        """Keep the residuals in the units of ``scaler``'s loss scale (dynamic loss scaling).
+
+        With AMP the tensors reduced are the gradients of ``scaler.scale(loss)``, i.e. multiplied
+        by the current scale S_t, so residuals kept from step t-1 are in units of S_{t-1}. From
+        now on, the first reduction of each step multiplies every residual by ``S_t / S_prev``
+        (float32 0-dim tensors read from the scaler's ``_scale`` tensor on its device: no host
+        read, one extra pass over the residuals per step), S_prev being the scale the residuals
+        are in (1 before any scaler). With GradScaler's power-of-two scales the rescaling is
+        exact. A step the scaler skips has inf/NaN gradients, so its averaged result is
+        non-finite and the residuals are restored to their value before the step (``nonfinite=
+        "restore"``; ``"reset"`` zeroes them); the next step rescales them by the backed-off
+        scale (e.g. 0.5). Call it when the tensors reduced are the scaled gradients (before
+        ``scaler.unscale_``); ``state_dict()["grad_scale"]`` records the scale of the saved
+        residuals; a pickle does not keep the scaler: attach it again after loading.
+
+        Args:
+            scaler: a ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` and FSDP's
+                ``ShardedGradScaler`` are subclasses), or None to detach (the residuals are
+                then brought back to gradient units at the next step). A disabled scaler
+                counts as scale 1.
+
+        Raises:
+            TypeError: ``scaler`` is not a GradScaler nor None.
+        """
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"attach_grad_scaler: expected a torch.amp.GradScaler or None, got "
+                            f"{type(scaler).__name__}")
+        self._scaler = scaler
+        self._unit_step = -1
+
+    @property
+    def grad_scaler(self):
+        """The attached GradScaler, or None."""
+        return self._scaler
+
+    def _follow_scale(self) -> None:
+        """Bring every residual from the scale it is in (``_unit``; None: 1) to the scaler's
+        current scale, on the device (once per step, before anything reads a residual)."""
+        self._unit_step = self.iter
+        sc = self._scaler
+        cur = None
+        if sc is not None and sc.is_enabled():
+            cur = getattr(sc, "_scale", None)
+            if cur is None:  # the scaler has not scaled a loss yet: nothing to follow this step
+                return
+        if cur is None and self._unit is None:
+            return
+        new = cur.detach().to(torch.float32).reshape(()) if cur is not None else None
+        old = self._unit
+        if old is None:
+            factor = new.clone()
+        elif new is None:
+            factor = torch.reciprocal(old)
+        else:
+            factor = new / old.to(new.device, non_blocking=True)
+        factor = torch.where(torch.isfinite(factor), factor, torch.zeros_like(factor))
+        self.store.scale_(factor)
+        self._unit = None if new is None else new.clone()
+
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Per-rank state: ``{"version", "codec", "world_size", "rank", "iter", "error_feedback",
-        "residuals": {name: float32 1-D tensor}}``; only names that hold a residual appear.
-        Residuals differ per rank: save one file per rank."""
-        return {"version": 1, "codec": self.codec.spec, "world_size": self.world_size, "rank": self.rank,
-                "iter": self.iter, "error_feedback": self.error_feedback, "residuals": self.store.state()}
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Load a ``state_dict()`` of the same rank, bit-exact, and its step count. With another
-        world size the residuals are dropped (a warning). A residual lands where its name lives,
-        or waits (on the device it was loaded to) for the first reduction of that name.
+        "grad_scale", "residuals": {name: float32 1-D tensor}}``; only names that hold a residual
+        appear; ``grad_scale`` (float) is the loss scale the residuals are in (1.0 without
+        :meth:`attach_grad_scaler`; reading it is a host read of a device scalar, so do not
+        call this inside a hook). Residuals differ per rank: save one file per rank.
 
         Raises:
-            ValueError: a residual whose numel differs from its name's tensor (nothing is loaded).
+            ValueError: a pickled Compressor whose checkpoint does not match (see
+                :meth:`load_state_dict`; it is loaded here when nothing loaded it before).
         """
+        self._load_restored(strict=True)
+        return {"version": 1, "codec": self.codec.spec, "world_size": self.world_size, "rank": self.rank,
+                "iter": self.iter, "error_feedback": self.error_feedback,
+                "grad_scale": 1.0 if self._unit is None else float(self._unit),
+                "residuals": self.store.state()}
+
+    def mismatches(self, sd: dict) -> List[str]:
+        """What in the ``state_dict()`` ``sd`` does not fit this compressor: ``["rank: saved 0,
+        current 1 (...)", "codec: saved '...', current '...'", "error_feedback: ..."]`` (empty:
+        it fits). Keys absent from ``sd`` are not compared; the rank is not compared when the
+        world size differs (its residuals are dropped then). Codecs compare by canonical spec."""
+        out = []
+        same_world = int(sd.get("world_size", self.world_size)) == self.world_size
+        if same_world and "rank" in sd and int(sd["rank"]) != self.rank:
+            out.append(f"rank: saved {int(sd['rank'])}, current {self.rank} (residuals differ per rank: load the "
+                       f"file this rank saved)")
+        if "codec" in sd:
+            saved = _canonical(sd["codec"])
+            if saved != self.codec.spec:
+                out.append(f"codec: saved {saved!r}, current {self.codec.spec!r}")
+        if "error_feedback" in sd and bool(sd["error_feedback"]) != self.error_feedback:
+            out.append(f"error_feedback: saved {bool(sd['error_feedback'])}, current {self.error_feedback}")
+        return out
+
+    def load_state_dict(self, sd: dict, strict: bool = True) -> None:
+        """Load a ``state_dict()`` of the same rank, bit-exact, with its step count and loss
+        scale. With another world size the residuals are dropped (a warning). A residual lands
+        where its name lives, or waits (on the device it was loaded to) for the first reduction
+        of that name.
+
+        Args:
+            sd: a ``state_dict()``.
+            strict: True (default): a checkpoint saved by another rank, or with another codec
+                (by canonical spec) or error_feedback setting raises ValueError naming saved and
+                current values (see :meth:`mismatches`); False: a warning, and it is loaded.
+
+        Raises:
+            ValueError: (strict) a mismatch as above; a residual whose numel differs from its
+                name's tensor. Nothing is loaded then.
+        """
+        self._restored = None
+        problems = self.mismatches(sd)
+        if problems:
+            msg = "load_state_dict: the checkpoint does not match this compressor: " + "; ".join(problems)
+            if strict:
+                raise ValueError(msg + ". Pass strict=False to load it anyway.")
+            self._warn(f"gradcomp: {msg} (strict=False: loaded anyway)")
         res = sd.get("residuals", {})
         if int(sd.get("world_size", self.world_size)) != self.world_size:
-            msg = (f"gradcomp: checkpoint from world size {sd.get('world_size')} loaded at world size "
-                   f"{self.world_size}: residuals dropped")
-            warnings.warn(msg)
-            log.warning(msg)
+            self._warn(f"gradcomp: checkpoint from world size {sd.get('world_size')} loaded at world size "
+                       f"{self.world_size}: residuals dropped")
             res = {}
         flat = {}
         for name, t in res.items():
@@ -404,6 +561,102 @@ class Compressor:
                 raise ValueError(f"load_state_dict: residual {name!r} has {t.numel()} elements, its tensor has {want}")
             flat[name] = t
         self.iter = int(sd.get("iter", 0))
+        gs = float(sd.get("grad_scale", 1.0))
+        self._unit = None if gs == 1.0 else torch.tensor(gs, dtype=torch.float32)
+        self._unit_step = -1
         for name, t in flat.items():
             self.store.load(name, t)
             self._names.setdefault(name, (t.numel(), t.device))
+
+    def _warn(self, msg: str) -> None:
+        warnings.warn(msg, stacklevel=3)
+        log.warning(msg)
+
+    # -- the process group and pickling --------------------------------------------------------
+    def set_process_group(self, group=None, strict: bool = True) -> None:
+        """Reduce over ``group`` from now on (None: the default group), e.g. after unpickling a
+        Compressor that ran on a subgroup (it comes back on the default group). Call it between
+        steps. A pickled checkpoint not yet loaded is loaded now against ``group``, with the
+        checks of :meth:`load_state_dict` (``strict`` as there); otherwise, with another world
+        size the residuals are dropped (a warning).
+
+        Raises:
+            TypeError: ``group`` not None or a ProcessGroup.
+            ValueError: (strict) the pickled checkpoint does not match, see :meth:`load_state_dict`.
+        """
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"set_process_group: group={group!r}; accepted: None or a torch.distributed.ProcessGroup")
+        world = dist.get_world_size(group)
+        if self._restored is None and world != self.world_size and self.store.state():
+            self._warn(f"gradcomp: process group of world size {world} replaces world size {self.world_size}: "
+                       f"residuals dropped")
+            self.store = ResidualStore(self.nonfinite, self.store.slot_names)
+        self.group, self.world_size, self.rank = group, world, dist.get_rank(group)
+        self._stats.world_size = world
+        self._dense_ctx = SchemeContext(self.codec, group, world)
+        self._routes.clear()
+        self._load_restored(strict)
+
+    def _load_restored(self, strict: bool) -> None:
+        if self._restored is not None:
+            sd = self._restored
+            try:
+                self.load_state_dict(sd, strict=strict)
+            except Exception:
+                self._restored = sd
+                raise
+
+    def _checkpoint(self) -> dict:
+        """Everything but the process group and the scaler, for pickling (see the class doc)."""
+        self._stats.settle()
+        sd = self._restored if self._restored is not None else self.state_dict()
+        return {"version": PICKLE_VERSION, "codec": self.codec.spec, "scheme": self.scheme,
+                "error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
+                "nonfinite": self.nonfinite, "on_corrupt": self.on_corrupt, "log_every": self.log_every,
+                "explicit_group": self.group is not None, "state": dict(sd, iter=self.iter), "stats": self._stats,
+                "names": {k: (n, str(d)) for k, (n, d) in self._names.items()},
+                "step_names": sorted(self._step_names)}
+
+    def _restore(self, d: dict) -> None:
+        """Rebuild from :meth:`_checkpoint` on the default group; residuals wait in ``_restored``."""
+        if not isinstance(d, dict) or d.get("version") != PICKLE_VERSION:
+            raise ValueError(f"gradcomp: cannot unpickle a Compressor of format "
+                             f"{d.get('version') if isinstance(d, dict) else type(d).__name__!r}; "
+                             f"this version reads {PICKLE_VERSION}")
+        if not dist.is_initialized():
+            raise RuntimeError("gradcomp: unpickling a Compressor needs torch.distributed initialized "
+                               "(dist.init_process_group) first")
+        Compressor.__init__(self, d["codec"], d["scheme"], d["error_feedback"], None,
+                            min_compress_numel=d["min_compress_numel"], nonfinite=d["nonfinite"],
+                            on_corrupt=d["on_corrupt"], log_every=d["log_every"])
+        stats = d["stats"]
+        stats.world_size = self.world_size
+        self._stats = stats
+        self._names = {k: (int(n), torch.device(dev)) for k, (n, dev) in d["names"].items()}
+        self._step_names = set(d["step_names"])
+        self.iter = int(d["state"].get("iter", 0))
+        self._restored = d["state"]
+
+    def __getstate__(self) -> dict:
+        dropped = [what for what, held in (("process group", self.group is not None),
+                                           ("GradScaler", self._scaler is not None)) if held]
+        if dropped:
+            log.warning("gradcomp: the %s of a Compressor cannot be pickled and is left out; after loading "
+                        "it is the default group / no scaler: call set_process_group(group) / "
+                        "attach_grad_scaler(scaler) again", " and the ".join(dropped))
+        return self._checkpoint()
+
+    def __setstate__(self, d: dict) -> None:
+        self._restore(d)
+        if d["explicit_group"]:
+            log.warning("gradcomp: Compressor restored on the default process group (world size %d); if it "
+                        "ran on a subgroup, call set_process_group(group) before its first reduction (its "
+                        "residuals are loaded then)", self.world_size)
+
+
+def _canonical(spec: Any) -> str:
+    """The canonical form of a codec spec (the string itself when it does not parse)."""
+    try:
+        return Codec(str(spec)).spec
+    except Exception:  # noqa: BLE001 - a spec of another version: compared as written
+        return str(spec)

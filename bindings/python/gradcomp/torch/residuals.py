@@ -1,4 +1,4 @@
-"""Error-feedback state: where each parameter's residual lives (DESIGN.md section 4).
+"""Error-feedback state: where each parameter's residual lives (the README's "DDP communication hook").
 
 Error feedback (Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
 Schemes", ICML 2019; for top-k, Aji & Heafield 2017 and Lin et al. 2018) keeps, per gradient
@@ -19,6 +19,7 @@ A :class:`ResidualStore` holds:
   and loses it; under ``"restore"`` a copy comes back as pending if the step turns out non-finite
   (the Compressor decides, one step late);
 - restore/reset after a non-finite step, on the device with no host synchronization;
+- rescaling by a device scalar (a loss scale that changed, :meth:`ResidualStore.scale_`);
 - state as ``{key: float32 1-D tensor}`` for checkpoints.
 
 All tensors are float32 whatever the bucket dtype. The store never communicates and never reads
@@ -177,6 +178,18 @@ class ResidualStore:
         """Forget ``key``'s pending residual if it is still ``tensor`` (the step was finite)."""
         if self._pending.get(key) is tensor:
             del self._pending[key]
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        """Multiply every residual -- the slots of every layout that is some parameter's home,
+        and every pending tensor -- by the 0-dim float32 ``factor`` in place, on their devices
+        (no host read). Backups are not scaled: :meth:`snapshot` rewrites them before use."""
+        homes = {id(lay): lay for lay, _, _ in self._slice.values()}
+        for lay in homes.values():
+            f = factor.to(lay.device, non_blocking=True)
+            for t in lay.slots.values():
+                t.mul_(f)
+        for t in self._pending.values():
+            t.mul_(factor.to(t.device, non_blocking=True))
 
     # -- per parameter -------------------------------------------------------------------------
     def residual(self, key: str) -> Optional[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Step records for a compressor: byte accounting, timings and the late reads (DESIGN.md section 5).
+"""Step records for a compressor: byte accounting, timings and the late reads.
 
 Nothing here synchronizes with a device. Values that live on a CUDA device are copied into pinned
 host memory behind an event and read once the event has completed, which in practice is one step
@@ -16,9 +16,20 @@ later:
   raises inside decode.)
 
 Byte counts come from :mod:`gradcomp.planner`; so do the ratios of :meth:`Stats.summary`.
+
+Log lines (``log_every``) go to ``logging.getLogger("gradcomp")`` at INFO. When ``log_every > 0``
+and that logger has no handler anywhere (``hasHandlers()`` False: logging is not configured),
+:func:`ensure_visible` attaches :data:`STDERR_HANDLER` (stderr, INFO, the message alone) to it
+once and, if its level is unset, sets it to INFO. To route the lines elsewhere, configure logging
+(or add a handler to the "gradcomp" logger) before building the compressor; to silence the
+handler, ``logging.getLogger("gradcomp").removeHandler(gradcomp.torch.stats.STDERR_HANDLER)``.
+
+A :class:`Stats` pickles (with its compressor): the totals, the counters and the most recent
+step's record; copies still in flight are waited for first (:meth:`Stats.settle`).
 """
 
 import logging
+import sys
 import threading
 import time
 from typing import Callable, List, Optional
@@ -38,6 +49,25 @@ bucket counts."""
 CORRUPT_MODES = ("raise", "log")
 
 _INT_FIELDS = ("dense_bytes", "packet_bytes", "sent_bytes", "compressed_buckets", "dense_buckets")
+
+STDERR_HANDLER = logging.StreamHandler(sys.stderr)
+"""The handler :func:`ensure_visible` attaches to the "gradcomp" logger (stderr, INFO)."""
+STDERR_HANDLER.setLevel(logging.INFO)
+STDERR_HANDLER.setFormatter(logging.Formatter("%(message)s"))
+
+
+def ensure_visible() -> bool:
+    """Make the "gradcomp" logger's INFO lines visible when logging is not configured: if the
+    logger has no handler anywhere (``hasHandlers()`` False), attach :data:`STDERR_HANDLER`
+    and, when the logger's level is unset (NOTSET), set it to INFO. Returns True when it
+    attached the handler."""
+    lg = logging.getLogger("gradcomp")
+    if lg.hasHandlers():
+        return False
+    lg.addHandler(STDERR_HANDLER)
+    if lg.level == logging.NOTSET:
+        lg.setLevel(logging.INFO)
+    return True
 
 
 class StepRecord:
@@ -61,6 +91,16 @@ class StepRecord:
         self.nf_event = None
         self.cuda_times: list = []  # (start event, end event, field, bucket dict)
         self.on_finite: List[Callable[[], None]] = []
+
+    def __getstate__(self) -> dict:
+        """Step, counters, bucket dicts and the flag (on the host); events, pending timings and
+        ``on_finite`` (closures over the live store) are left out."""
+        nf = None if self.nf is None else self.nf.detach().to("cpu")
+        return {"step": self.step, "v": dict(self.v), "buckets": [dict(b) for b in self.buckets], "nf": nf}
+
+    def __setstate__(self, d: dict) -> None:
+        self.__init__(d["step"])
+        self.v, self.buckets, self.nf = d["v"], d["buckets"], d["nf"]
 
 
 class _StatusCopy:
@@ -130,6 +170,36 @@ class Stats:
         self._closed_steps = 0
         self._unresolved: List[StepRecord] = []
         self._status: List[_StatusCopy] = []
+        if log_every:
+            ensure_visible()
+
+    def __getstate__(self) -> dict:
+        self.settle()
+        with self.lock:
+            d = dict(self.__dict__)
+        del d["lock"]
+        d["_unresolved"], d["_status"] = [], []
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self.lock = threading.Lock()
+        if self.log_every:
+            ensure_visible()
+
+    def settle(self) -> None:
+        """Wait for the copies in flight (non-finite flags, CUDA status words), then
+        :meth:`resolve`. May synchronize with a device: for checkpoints, never in a hook.
+
+        Raises:
+            gradcomp.CorruptPacketError: as :meth:`resolve`.
+        """
+        with self.lock:
+            events = [r.nf_event for r in self._unresolved] + [s.event for s in self._status]
+        for e in events:
+            if e is not None:
+                e.synchronize()
+        self.resolve()
 
     @property
     def on_corrupt(self) -> str:

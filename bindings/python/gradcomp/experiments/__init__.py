@@ -1,4 +1,4 @@
-"""Accuracy-versus-ratio experiment harness (DESIGN.md section 6).
+"""Accuracy-versus-ratio experiment harness (the README's "The main job").
 
 Run ``gradcomp-experiment`` or ``python -m gradcomp.experiments`` (``--help`` for the flags). Real
 DDP worker processes on gloo (CPU, spawn, one thread each, reused across runs) train an MLP on

@@ -11,8 +11,8 @@ Writes into ``--out`` (default ``results/``): ``results.csv`` (one row per run),
 mean and spread over seeds) and ``accuracy_vs_bits.png`` (test accuracy against bits per element).
 Progress bars (tqdm) go to stderr; the table and the file paths go to stdout.
 
-Byte accounting (DESIGN.md section 5), summed over all buckets and steps of a run, as the hook's
-``stats()`` reports it from :mod:`gradcomp.planner` (the one home of these formulas):
+Byte accounting, summed over all buckets and steps of a run, as the hook's ``stats()`` reports it
+from :mod:`gradcomp.planner` (the one home of these formulas; the README's "The main job"):
 packet_ratio = packet bytes / dense bytes; wire_ratio = bytes one rank sends under the scheme /
 bytes it sends in a ring allreduce of the dense buckets (2(W-1)/W * dense bytes); bits per element
 = 8 * packet bytes / numel.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up and run every test: the GoogleTest suite (CUDA tests are built whenever nvcc is found
-# and skip without a GPU), the PTX check of the CUDA kernels, the pytest suite (with the codec
+# and skip without a GPU), the portable-build check, the PTX check of the CUDA kernels, the pytest suite (with the codec
 # contract suite gradcomp.testing), the GoogleTest suite again under AddressSanitizer + UBSan +
 # LeakSanitizer (tests/sanitize.sh), and the libFuzzer targets (tests/fuzz/run.sh).
 # Exits non-zero on any failure.
@@ -11,6 +11,8 @@ bash tests/setup.sh
 status=0
 echo "== GoogleTest (ctest)"
 ctest --test-dir build/py --output-on-failure -j2 || status=1
+echo "== portable build check (tests/check_portable.sh)"
+bash tests/check_portable.sh build/py || status=1
 if command -v nvcc >/dev/null 2>&1 && [ -f tests/gpu/check_ptx.sh ]; then
   echo "== PTX check of the CUDA kernels"
   bash tests/gpu/check_ptx.sh || status=1

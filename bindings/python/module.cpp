@@ -92,6 +92,10 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<Unsupported>(m, "UnsupportedError", py::make_tuple(base, py::handle(PyExc_RuntimeError)));
   py::register_exception<CudaError>(m, "CudaError", py::make_tuple(base, py::handle(PyExc_RuntimeError)));
 
+  m.def("cpu_isas_supported", &cpu_isas_supported,
+        "The CPU kernel variants of this build this processor runs, best first.");
+  m.def("set_cpu_isa", [](const std::string& name) { set_cpu_isa(name); }, py::arg("name"),
+        "Use CPU kernel variant `name` (one of cpu_isas_supported()); raises InvalidArgumentError otherwise.");
   m.def("set_num_threads", &set_num_threads, py::arg("n"),
         "Threads used by the CPU backend (OpenMP). Raises InvalidArgumentError for n < 1.");
   m.def("get_num_threads", &get_num_threads);
@@ -103,6 +107,8 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_architectures"] = b.cuda_architectures;
     d["cuda_version"] = b.cuda_version;
     d["openmp"] = b.openmp;
+    d["cpu_isa"] = b.cpu_isa;
+    d["cpu_variants"] = b.cpu_variants;
     d["dlpack_version"] = DLPACK_VERSION;
     return d;
   });

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace gradcomp {
 
@@ -107,7 +108,18 @@ struct BuildInfo {
   std::string cuda_version;       //!< toolkit version the kernels were built with
   bool openmp = false;
   int dlpack_version = 0; //!< filled by the Python bindings
+  std::string cpu_isa;      //!< the CPU kernel variant that runs: "avx512", "avx2", "generic" or "native"
+  std::string cpu_variants; //!< the variants compiled in, e.g. "avx512,avx2,generic"
 };
 BuildInfo build_info();
+
+//! The CPU kernel variant in use ("avx512", "avx2", "generic"; "native" in a GRADCOMP_NATIVE=ON
+//! build): the best one this processor supports, unless GRADCOMP_CPU_ISA (environment) or
+//! set_cpu_isa asked for a lower one. Every variant produces byte-identical packets.
+std::string cpu_isa();
+//! The variants of this build this processor can run, best first.
+std::vector<std::string> cpu_isas_supported();
+//! Use variant `name` (one of cpu_isas_supported()); InvalidArgument otherwise, listing them.
+void set_cpu_isa(std::string_view name);
 
 } // namespace gradcomp

@@ -11,6 +11,16 @@
 #include "gradcomp/types.hpp"
 #include "math.hpp"
 
+namespace gradcomp::detail {
+//! Out-of-line throws (kernels/core/runtime.cpp) for code compiled once per CPU variant: an inline
+//! or template function that builds a message (detail::concat, std::ostringstream) would be
+//! instantiated in every variant's object, and the linker keeps one copy for all, possibly the one
+//! compiled with AVX-512 (kernels/cpu/isa.hpp; tests/check_portable.sh checks none is left).
+[[noreturn]] void throw_not_gradient_dtype(const char* what, DType t);
+//! Throws CorruptPacket with a printf-style message (integers only).
+[[noreturn]] void throw_corrupt_packet(const char* fmt, ...);
+} // namespace gradcomp::detail
+
 namespace gradcomp::common {
 
 struct F32 {
@@ -44,8 +54,7 @@ template <class F> decltype(auto) dispatch_float(DType t, F&& f, const char* wha
     case DType::bfloat16: return f(BF16{});
     default: break;
   }
-  throw InvalidArgument(detail::concat(what, " ", dtype_name(t), " is not a gradient dtype; accepted: float32, "
-                                       "float16, bfloat16"));
+  detail::throw_not_gradient_dtype(what, t);
 }
 
 //! 0 / 1 / 2 for float32 / float16 / bfloat16 (the header's input dtype codes), -1 otherwise.

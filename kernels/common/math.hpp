@@ -8,10 +8,13 @@
 #include <cstdint>
 #include <cstring>
 
+// On the host the helpers are always inlined: the CPU kernels are compiled once per instruction
+// set (kernels/cpu/isa.hpp), and an out-of-line copy of an inline function would be one symbol the
+// linker shares between the variants (tests/check_portable.sh).
 #if defined(__CUDACC__)
 #define GRADCOMP_HD __host__ __device__ __forceinline__
 #else
-#define GRADCOMP_HD inline
+#define GRADCOMP_HD inline __attribute__((always_inline))
 #endif
 // Full unrolling of a loop with a constant trip count on the device (so that array indices become
 // constants and small arrays in kernel parameters or registers are never copied to local memory).

@@ -76,6 +76,12 @@ inline const DeviceRuntime* cuda_runtime() { return &cuda::runtime; }
 inline const DeviceRuntime* cuda_runtime() { return nullptr; }
 #endif
 
+//! The CPU kernel variants (kernels/cpu/isa.hpp), best first; `native` alone in a
+//! GRADCOMP_NATIVE=ON build.
+enum class CpuIsa : int { avx512 = 0, avx2 = 1, generic = 2, native = 3 };
+//! The variant the CPU kernels use now (core/runtime.cpp: detected once, set_cpu_isa).
+CpuIsa cpu_isa() noexcept;
+
 [[noreturn]] void throw_no_backend(const Codec& c, Device d);
 
 //! The kernels of `b` for `device`; throws Unsupported naming the codec and the device when the

@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "backend.hpp"
 #include "family.hpp"
@@ -19,6 +23,10 @@
 #ifndef GRADCOMP_CUDA_ARCHS
 #define GRADCOMP_CUDA_ARCHS ""
 #endif
+#ifndef GRADCOMP_CPU_VARIANTS
+#define GRADCOMP_CPU_VARIANTS "generic"
+#endif
+
 
 namespace gradcomp {
 
@@ -100,9 +108,92 @@ void set_num_threads(int n) {
 }
 int get_num_threads() noexcept { return thread_setting().n.load(); }
 
+namespace {
+const char* isa_name(detail::CpuIsa i) {
+  switch (i) {
+    case detail::CpuIsa::avx512: return "avx512";
+    case detail::CpuIsa::avx2: return "avx2";
+    case detail::CpuIsa::native: return "native";
+    default: return "generic";
+  }
+}
+bool variant_built(std::string_view name) {
+  const std::string_view all = GRADCOMP_CPU_VARIANTS;
+  size_t at = 0;
+  while (at <= all.size()) {
+    const size_t comma = all.find(',', at);
+    if (all.substr(at, comma == std::string_view::npos ? std::string_view::npos : comma - at) == name) return true;
+    if (comma == std::string_view::npos) break;
+    at = comma + 1;
+  }
+  return false;
+}
+//! The best variant this processor supports among those built.
+detail::CpuIsa best_isa() {
+  if (variant_built("native")) return detail::CpuIsa::native;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (variant_built("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return detail::CpuIsa::avx512;
+  if (variant_built("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"))
+    return detail::CpuIsa::avx2;
+#endif
+  return detail::CpuIsa::generic;
+}
+std::atomic<int>& isa_setting() {
+  static std::atomic<int> v{[] {
+    const detail::CpuIsa best = best_isa();
+    if (const char* env = std::getenv("GRADCOMP_CPU_ISA")) {
+      // a lower variant may be asked for (never one the processor lacks); unknown names are ignored here
+      // and reported by set_cpu_isa when called with them
+      for (detail::CpuIsa i : {detail::CpuIsa::avx512, detail::CpuIsa::avx2, detail::CpuIsa::generic})
+        if (std::string_view(env) == isa_name(i) && int(i) >= int(best) && best != detail::CpuIsa::native)
+          return int(i);
+    }
+    return int(best);
+  }()};
+  return v;
+}
+} // namespace
+
+namespace detail {
+CpuIsa cpu_isa() noexcept { return static_cast<CpuIsa>(isa_setting().load(std::memory_order_relaxed)); }
+} // namespace detail
+
+std::string cpu_isa() { return isa_name(detail::cpu_isa()); }
+
+std::vector<std::string> cpu_isas_supported() {
+  std::vector<std::string> out;
+  const detail::CpuIsa best = best_isa();
+  if (best == detail::CpuIsa::native) return {"native"};
+  for (detail::CpuIsa i : {detail::CpuIsa::avx512, detail::CpuIsa::avx2, detail::CpuIsa::generic})
+    if (int(i) >= int(best)) out.emplace_back(isa_name(i));
+  return out;
+}
+
+void set_cpu_isa(std::string_view name) {
+  const std::vector<std::string> ok = cpu_isas_supported();
+  std::string list;
+  for (const auto& o : ok) {
+    if (o == name) {
+      for (detail::CpuIsa i : {detail::CpuIsa::avx512, detail::CpuIsa::avx2, detail::CpuIsa::generic, detail::CpuIsa::native})
+        if (name == isa_name(i)) isa_setting().store(int(i));
+      return;
+    }
+    list += (list.empty() ? "" : ", ") + o;
+  }
+  throw InvalidArgument(detail::concat("set_cpu_isa('", detail::display(name, 40),
+                                       "'): not a CPU kernel variant of this build that this processor runs; accepted: ",
+                                       list));
+}
+
 BuildInfo build_info() {
   BuildInfo b;
   b.version = GRADCOMP_VERSION;
+  b.cpu_isa = cpu_isa();
+  b.cpu_variants = GRADCOMP_CPU_VARIANTS;
   if (const detail::DeviceRuntime* rt = detail::cuda_runtime()) {
     b.cuda = true;
     b.cuda_architectures = GRADCOMP_CUDA_ARCHS;
@@ -115,6 +206,19 @@ BuildInfo build_info() {
 }
 
 namespace detail {
+
+void throw_not_gradient_dtype(const char* what, DType t) {
+  throw InvalidArgument(concat(what, " ", dtype_name(t), " is not a gradient dtype; accepted: float32, float16, bfloat16"));
+}
+
+void throw_corrupt_packet(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  throw CorruptPacket(buf);
+}
 
 int cpu_threads_for(int64_t n) {
   const ThreadSetting& t = thread_setting();

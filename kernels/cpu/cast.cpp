@@ -14,9 +14,10 @@
 #endif
 
 #include "../core/codecs/cast.hpp"
+#include "isa.hpp"
 #include "parallel.hpp"
 
-namespace gradcomp::detail::cpu {
+namespace GRADCOMP_CPU_NAMESPACE {
 namespace {
 
 using common::add_rn;
@@ -151,7 +152,6 @@ void decode(const CastPlan& p, const DecodeArgs& a) {
 int64_t workspace_bytes(const CastPlan&) { return kStatusBytes; }
 
 } // namespace
+} // namespace GRADCOMP_CPU_NAMESPACE
 
-const Kernels<CastPlan> cast = {&workspace_bytes, &encode, &decode};
-
-} // namespace gradcomp::detail::cpu
+GRADCOMP_CPU_TABLE(CastPlan, cast, workspace_bytes, encode, decode)

@@ -35,13 +35,14 @@
 #endif
 
 #include "../core/codecs/topk.hpp"
+#include "isa.hpp"
 #include "parallel.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
-namespace gradcomp::detail::cpu {
+namespace GRADCOMP_CPU_NAMESPACE {
 namespace {
 
 using common::abs_key;
@@ -508,12 +509,16 @@ void topk_decode_t(const TopKPlan& p, const uint8_t* packet, const Tensor& out, 
   for (int64_t j = 0; j < k; ++j) {
     const uint64_t i = idx[j];
     if (i >= uint64_t(n)) {
-      throw CorruptPacket(detail::concat("decode: top-k packet entry ", j, " has index ", i, " >= numel ", n));
+      throw_corrupt_packet("decode: top-k packet entry %lld has index %llu >= numel %lld", (long long)j,
+                           (unsigned long long)i, (long long)n);
     }
     if (j > 0 && i <= uint64_t(idx[j - 1])) {
-      throw CorruptPacket(detail::concat("decode: top-k packet indices must ascend strictly; entry ", j, " has index ",
-                                         i, " after ", uint64_t(idx[j - 1]),
-                                         i == uint64_t(idx[j - 1]) ? " (repeated)" : " (out of order)"));
+      throw_corrupt_packet(i == uint64_t(idx[j - 1])
+                               ? "decode: top-k packet indices must ascend strictly; entry %lld has index %llu after "
+                                 "%llu (repeated)"
+                               : "decode: top-k packet indices must ascend strictly; entry %lld has index %llu after "
+                                 "%llu (out of order)",
+                           (long long)j, (unsigned long long)i, (unsigned long long)idx[j - 1]);
     }
   }
   auto* o = out.ptr<typename O::storage>();
@@ -546,7 +551,6 @@ void decode(const TopKPlan& p, const DecodeArgs& a) {
 }
 
 } // namespace
+} // namespace GRADCOMP_CPU_NAMESPACE
 
-const Kernels<TopKPlan> topk = {&workspace_bytes, &encode, &decode};
-
-} // namespace gradcomp::detail::cpu
+GRADCOMP_CPU_TABLE(TopKPlan, topk, workspace_bytes, encode, decode)

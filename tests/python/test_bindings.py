@@ -664,3 +664,34 @@ def test_invalid_thread_environment_is_an_error(value):
     p = subprocess.run([sys.executable, "-c", "import gradcomp; print(gradcomp.get_num_threads())"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.stdout.strip() == "3"
+
+
+def test_portable_build_reports_and_switches_its_cpu_variant():
+    """The default build is portable: the CPU kernels exist in several instruction-set variants and
+    the best one this processor supports runs (build_info says which); GRADCOMP_CPU_ISA asks for a
+    lower one; every variant gives the same packet bytes."""
+    import subprocess
+    import sys
+
+    info = gradcomp.build_info()
+    supported = gradcomp._C.cpu_isas_supported()
+    assert info["cpu_isa"] == supported[0]
+    if info["cpu_variants"] != "native":
+        assert info["cpu_variants"].split(",")[-1] == "generic" and "generic" in supported
+    code = ("import numpy as np, gradcomp, hashlib\n"
+            "x = np.random.default_rng(5).standard_normal((1 << 18) + 3).astype(np.float32)\n"
+            "h = hashlib.sha256()\n"
+            "for s in ('fp16', 'bf16', 'topk:ratio=0.01', 'topk:ratio=0.3,value_dtype=float16'):\n"
+            "    h.update(np.asarray(gradcomp.Codec(s).encode(x, residual=np.full(x.size, 0.1, np.float32))).tobytes())\n"
+            "print(gradcomp.build_info()['cpu_isa'], h.hexdigest())\n")
+    seen = {}
+    for isa in supported:
+        env = dict(os.environ, GRADCOMP_CPU_ISA=isa)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr
+        got_isa, digest = p.stdout.split()
+        assert got_isa == isa
+        seen[isa] = digest
+    assert len(set(seen.values())) == 1, seen
+    with pytest.raises(IAE, match="accepted: " + ", ".join(supported)):
+        gradcomp._C.set_cpu_isa("sse9")

@@ -18,7 +18,6 @@ No tolerances.
 """
 
 import copy
-import io
 import logging
 import os
 import pickle
@@ -26,7 +25,6 @@ import sys
 import tempfile
 import warnings
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -84,14 +82,20 @@ def step_params(m, gs):
 # item 2: pickling
 
 
-def job_pickle_state(rank, world, tmp):
-    shapes = [(500,), (20, 30), ()]
+def trained(shapes, rank, steps):
+    """A Params model of ``shapes`` (seed 0) in DDP with top-k 0.05 registered, after ``steps``
+    steps of seeded gradients. Returns (the initial module, the DDP model, the state)."""
     torch.manual_seed(0)
     base = Params(shapes)
-    m1 = ddp(copy.deepcopy(base))
-    st1 = gt.register(m1, codec="topk:ratio=0.05", min_compress_numel=0)
-    for step in range(3):
-        step_params(m1, grads_for(base, rank, step, seed=SEED))
+    m = ddp(copy.deepcopy(base))
+    st = gt.register(m, codec="topk:ratio=0.05", min_compress_numel=0)
+    for step in range(steps):
+        step_params(m, grads_for(base, rank, step, seed=SEED))
+    return base, m, st
+
+
+def job_pickle_state(rank, world, tmp):
+    base, m1, st1 = trained([(500,), (20, 30), ()], rank, 3)
     stats1 = st1.stats()
     res1 = st1.state_dict()["residuals"]
     assert set(res1) == {"ps.0", "ps.1", "ps.2"}
@@ -199,13 +203,7 @@ def test_pickled_compressor():
 
 
 def job_strict_load(rank, world):
-    shapes = [(800,), (10, 30)]
-    torch.manual_seed(0)
-    base = Params(shapes)
-    m = ddp(copy.deepcopy(base))
-    st = gt.register(m, codec="topk:ratio=0.05", min_compress_numel=0)
-    for step in range(2):
-        step_params(m, grads_for(base, rank, step, seed=SEED))
+    base, m, st = trained([(800,), (10, 30)], rank, 2)
     mine = st.state_dict()
     assert mine["rank"] == rank and mine["codec"] == "topk:ratio=0.05" and mine["error_feedback"] is True
     obj = [mine if rank == 0 else None]
@@ -547,3 +545,51 @@ def job_log_every_visible(rank, world):
 def test_log_every_visible_without_logging_config():
     """No numerics: with no handler anywhere, log_every lines reach stderr; none added otherwise."""
     assert run(2, job_log_every_visible) == [True, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# the README's checkpoint recipe, run as is
+
+
+def readme_checkpoint_block():
+    """The python block of README.md's "Checkpoints, AMP and logging"."""
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        text = f.read()
+    sec = text[text.index("### Checkpoints, AMP and logging"):]
+    return re.search(r"```python\n(.*?)```", sec, re.S).group(1)
+
+
+def job_readme_checkpoint(rank, world, code, tmp):
+    base, ddp_model, state = trained([(3000,), (40, 30)], rank, 2)
+    new_ddp = ddp(copy.deepcopy(base))
+    ns = {"torch": torch, "gradcomp": __import__("gradcomp.torch"), "ddp_model": ddp_model, "state": state,
+          "new_ddp": new_ddp, "rank": rank}
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # GradScaler("cuda") without CUDA disables itself
+            exec(compile(code, "README.md", "exec"), ns)
+    finally:
+        os.chdir(cwd)
+    loaded = ns["state"]
+    assert loaded is not state and loaded.bound and loaded.iter == 2
+    assert loaded.compressor.grad_scaler is ns["scaler"]
+    for k, v in state.state_dict()["residuals"].items():
+        assert same_bits(v, loaded.state_dict()["residuals"][k]), k
+    for step in range(2, 4):  # the loaded state on the new model continues as the original
+        gs = grads_for(base, rank, step, seed=SEED)
+        for m in (ddp_model, new_ddp):
+            step_params(m, gs)
+        for p, q in zip(ddp_model.parameters(), new_ddp.parameters()):
+            assert same_bits(p.grad, q.grad), step
+    return True
+
+
+def test_readme_checkpoint_recipe():
+    """Bitwise: the README's block, unchanged: the reloaded state on a new DDP model continues as
+    the original."""
+    with tempfile.TemporaryDirectory() as tmp:
+        assert run(2, job_readme_checkpoint, readme_checkpoint_block(), tmp) == [True, True]

@@ -99,6 +99,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_num_threads", &set_num_threads, py::arg("n"),
         "Threads used by the CPU backend (OpenMP). Raises InvalidArgumentError for n < 1.");
   m.def("get_num_threads", &get_num_threads);
+  m.def("set_adaptive_threads", &set_adaptive_threads, py::arg("on"),
+        "Adaptive CPU threads (default on): fewer threads while another process holds a core.");
+  m.def("cpu_threads_state", &cpu_threads_state, "'contended' or 'idle' (adaptive CPU threads).");
   m.def("build_info", []() {
     BuildInfo b = build_info();
     py::dict d;

@@ -99,6 +99,13 @@ struct Stream {
 inline constexpr int kMaxThreads = 1024;
 void set_num_threads(int n);
 int get_num_threads() noexcept;
+//! Adaptive threads (default on; GRADCOMP_ADAPTIVE_THREADS=0 turns it off): when the threads of a
+//! CPU kernel start a parallel region more than 1 ms apart (a thread waited for a core another
+//! process holds), the next calls run on one thread for 0.5 s, every 16th call trying the full
+//! count again. Packets do not depend on it.
+void set_adaptive_threads(bool on) noexcept;
+//! "contended" while calls run on one thread because a core was found busy, else "idle".
+std::string cpu_threads_state();
 
 //! What this build contains (gradcomp.build_info() in Python).
 struct BuildInfo {

@@ -22,8 +22,13 @@ inline constexpr int64_t kMaxNumel = int64_t(1) << 56;
 //! Throws InvalidArgument for numel outside [0, 2^56) or a dtype that is not float32/float16/bfloat16.
 void check_numel_dtype(int64_t numel, DType dtype, const char* call);
 
-//! Threads a CPU kernel over n elements uses: 1 below 64 Ki elements, else get_num_threads().
+//! Threads a CPU kernel over n elements uses: 1 below 64 Ki elements, else get_num_threads(), or 1
+//! for a while after a team found a core contended (runtime.cpp). Throws InvalidArgument for a bad
+//! GRADCOMP_NUM_THREADS.
 int cpu_threads_for(int64_t n);
+//! The most threads such a call may use (what workspaces are sized for): 1 below 64 Ki elements,
+//! else get_num_threads().
+int cpu_threads_max(int64_t n);
 
 template <class Plan> class FamilyCodec : public Codec {
  public:

@@ -2,6 +2,7 @@
 // dtype names, devices, the CPU thread setting and build_info.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdarg>
 #include <cstdio>
@@ -220,11 +221,66 @@ void throw_corrupt_packet(const char* fmt, ...) {
   throw CorruptPacket(buf);
 }
 
+namespace {
+// Contention (issue: with another process holding one of two cores, OpenMP teams wait for the
+// thread that shares a core, and 2 threads run far slower than 1). A kernel's team reports how far
+// apart its threads started a parallel region (note_team_skew); a skew above kSkewBusy means a
+// thread waited for a core, and the next calls run on one thread for kBusyHold, except every
+// kProbeEvery-th call, which tries the full team again and clears the state when its threads start
+// together. Packets do not depend on the thread count, so this changes only the speed.
+constexpr int64_t kSkewBusy = 1'000'000;    // 1 ms
+constexpr int64_t kSkewQuiet = 200'000;     // 0.2 ms
+constexpr int64_t kBusyHold = 500'000'000;  // 0.5 s
+constexpr uint32_t kProbeEvery = 16;
+std::atomic<int64_t> busy_until{0};
+std::atomic<uint32_t> busy_calls{0};
+std::atomic<bool> adaptive{[] {
+  const char* e = std::getenv("GRADCOMP_ADAPTIVE_THREADS");
+  return !(e && std::string_view(e) == "0");
+}()};
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+} // namespace
+
+void note_team_skew(int threads, int64_t skew_ns) noexcept {
+  if (threads <= 1 || !adaptive.load(std::memory_order_relaxed)) return;
+  if (skew_ns > kSkewBusy) {
+    busy_until.store(steady_ns() + kBusyHold, std::memory_order_relaxed);
+  } else if (skew_ns < kSkewQuiet) {
+    busy_until.store(0, std::memory_order_relaxed);
+  }
+}
+
 int cpu_threads_for(int64_t n) {
   const ThreadSetting& t = thread_setting();
   if (t.env_bad.load()) throw InvalidArgument(t.env_error);
-  return n < (int64_t(1) << 16) ? 1 : std::max(1, t.n.load());
+  if (n < (int64_t(1) << 16)) return 1;
+  const int T = std::max(1, t.n.load());
+  if (T > 1 && adaptive.load(std::memory_order_relaxed)) {
+    const int64_t until = busy_until.load(std::memory_order_relaxed);
+    if (until != 0 && steady_ns() < until && busy_calls.fetch_add(1, std::memory_order_relaxed) % kProbeEvery != 0)
+      return 1;
+  }
+  return T;
 }
+
+int cpu_threads_max(int64_t n) { return n < (int64_t(1) << 16) ? 1 : std::max(1, thread_setting().n.load()); }
+
+} // namespace detail
+
+std::string cpu_threads_state() {
+  const int64_t until = detail::busy_until.load();
+  return until != 0 && detail::steady_ns() < until ? "contended" : "idle";
+}
+
+void set_adaptive_threads(bool on) noexcept {
+  detail::adaptive.store(on);
+  if (!on) detail::busy_until.store(0);
+}
+
+namespace detail {
 
 void check_numel_dtype(int64_t numel, DType dtype, const char* call) {
   GRADCOMP_CHECK(numel >= 0 && numel < kMaxNumel, InvalidArgument, call, ": numel ", numel,

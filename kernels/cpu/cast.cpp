@@ -61,13 +61,20 @@ uint32_t encode_f16_hw(const typename In::storage* __restrict x, uint16_t* __res
                        int T) {
   constexpr int64_t kBlock = 2048;
   uint32_t flag = 0;
-#pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t len = std::min(kBlock, n - b);
-    alignas(64) float y[kBlock];
-    for (int64_t j = 0; j < len; ++j) y[j] = Div1 ? In::load(x[b + j]) : div_rn(In::load(x[b + j]), div);
-    flag |= f16_block(y, out + b, len);
+  TeamClock clock;
+#pragma omp parallel num_threads(T) reduction(| : flag)
+  {
+    clock.arrive();
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t len = std::min(kBlock, n - b);
+      alignas(64) float y[kBlock];
+      for (int64_t j = 0; j < len; ++j) y[j] = Div1 ? In::load(x[b + j]) : div_rn(In::load(x[b + j]), div);
+      flag |= f16_block(y, out + b, len);
+    }
+    clock.finish();
   }
+  clock.report(T);
   return flag;
 }
 #endif
@@ -79,33 +86,47 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
   if constexpr (std::is_same_v<W, F16> && !HasRes) return encode_f16_hw<In, Div1>(x, out, n, div, T);
 #endif
   uint32_t flag = 0;
-#pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
-  for (int64_t i = 0; i < n; ++i) {
-    float xp = In::load(x[i]);
-    if constexpr (HasRes) xp = add_rn(xp, r[i]);
-    const float y = Div1 ? xp : div_rn(xp, div);
-    const auto c = W::store(y);
-    out[i] = c;
-    if constexpr (HasRes) {
-      const float d = W::load(c);
-      r[i] = Div1 ? sub_rn(xp, d) : sub_rn(xp, mul_rn(div, d));
+  TeamClock clock;
+#pragma omp parallel num_threads(T) reduction(| : flag)
+  {
+    clock.arrive();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      float xp = In::load(x[i]);
+      if constexpr (HasRes) xp = add_rn(xp, r[i]);
+      const float y = Div1 ? xp : div_rn(xp, div);
+      const auto c = W::store(y);
+      out[i] = c;
+      if constexpr (HasRes) {
+        const float d = W::load(c);
+        r[i] = Div1 ? sub_rn(xp, d) : sub_rn(xp, mul_rn(div, d));
+      }
+      // the casts keep inf and NaN, so the code is non-finite iff y was or the cast overflowed
+      flag |= static_cast<uint32_t>(W::nonfinite(c));
     }
-    // the casts keep inf and NaN, so the code is non-finite iff y was or the cast overflowed
-    flag |= static_cast<uint32_t>(W::nonfinite(c));
+    clock.finish();
   }
+  clock.report(T);
   return flag;
 }
 
 template <class W, class O>
 void decode_loop(const typename W::storage* __restrict in, typename O::storage* __restrict out, int64_t n, float alpha,
                  bool accumulate, int T) {
-  if (accumulate) {
-#pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = O::store(add_rn(O::load(out[i]), mul_rn(W::load(in[i]), alpha)));
-  } else {
-#pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = O::store(mul_rn(W::load(in[i]), alpha));
+  TeamClock clock;
+#pragma omp parallel num_threads(T)
+  {
+    clock.arrive();
+    if (accumulate) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) out[i] = O::store(add_rn(O::load(out[i]), mul_rn(W::load(in[i]), alpha)));
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) out[i] = O::store(mul_rn(W::load(in[i]), alpha));
+    }
+    clock.finish();
   }
+  clock.report(T);
 }
 
 void encode(const CastPlan& p, const EncodeArgs& a) {

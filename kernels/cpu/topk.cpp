@@ -351,12 +351,18 @@ void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, const EncodeCo
     const uint32_t guess = guess_lo(src, n, k, region, w.cand_y, T);
     if (guess != kNoGuess) {
       int64_t* count = w.count;
+      TeamClock clock;
 #pragma omp parallel num_threads(T)
-      for (int t = thread_id(); t < T; t += team_size()) {
-        int64_t b, e;
-        partition(n, T, t, b, e);
-        count[t] = filter<true>(src, b, e, guess, w.cand_y, w.cand_i, int64_t(t) * region, int64_t(t + 1) * region);
+      {
+        clock.arrive();
+        for (int t = thread_id(); t < T; t += team_size()) {
+          int64_t b, e;
+          partition(n, T, t, b, e);
+          count[t] = filter<true>(src, b, e, guess, w.cand_y, w.cand_i, int64_t(t) * region, int64_t(t + 1) * region);
+        }
+        clock.finish();
       }
+      clock.report(T);
       touched = true;
       int64_t total = 0;
       bool fits = true;
@@ -374,20 +380,26 @@ void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, const EncodeCo
     }
 
     // Level 0 histogram: over the buffer, or one full read of the input.
+    TeamClock clock0;
 #pragma omp parallel num_threads(T)
-    for (int t = thread_id(); t < T; t += team_size()) {
-      uint64_t* hist = w.hist + int64_t(t) * kB;
-      std::fill(hist, hist + kB, 0);
-      if (buffered) {
-        const uint32_t* ys = w.cand_y;
-        histogram<false>(w.off[t], w.end[t], [&](int64_t j) { return key_of_bits(ys[j]); }, 20, kB - 1, 0, 0, hist);
-      } else {
-        int64_t b, e;
-        partition(n, T, t, b, e);
-        if (touched) histogram<false>(b, e, [&](int64_t i) { return abs_key(src.again(i)); }, 20, kB - 1, 0, 0, hist);
-        else histogram<false>(b, e, [&](int64_t i) { return abs_key(src.first(i)); }, 20, kB - 1, 0, 0, hist);
+    {
+      clock0.arrive();
+      for (int t = thread_id(); t < T; t += team_size()) {
+        uint64_t* hist = w.hist + int64_t(t) * kB;
+        std::fill(hist, hist + kB, 0);
+        if (buffered) {
+          const uint32_t* ys = w.cand_y;
+          histogram<false>(w.off[t], w.end[t], [&](int64_t j) { return key_of_bits(ys[j]); }, 20, kB - 1, 0, 0, hist);
+        } else {
+          int64_t b, e;
+          partition(n, T, t, b, e);
+          if (touched) histogram<false>(b, e, [&](int64_t i) { return abs_key(src.again(i)); }, 20, kB - 1, 0, 0, hist);
+          else histogram<false>(b, e, [&](int64_t i) { return abs_key(src.first(i)); }, 20, kB - 1, 0, 0, hist);
+        }
       }
+      clock0.finish();
     }
+    clock0.report(T);
     // Every non-finite key has digit 0x7F8 (and the guess never exceeds the +inf key).
     for (int t = 0; t < T; ++t) flag |= w.hist[int64_t(t) * kB + common::kNonFiniteDigit0] != 0;
     choose(s, w, T, 0, true);
@@ -474,7 +486,9 @@ void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, const EncodeCo
   finish_packet(packet, p.layout, flag ? kFlagNonFinite : 0, ctx);
 }
 
-int64_t workspace_bytes(const TopKPlan& p) { return Workspace::bytes(std::max(1, p.threads), p.candidate_capacity); }
+int64_t workspace_bytes(const TopKPlan& p) {
+  return Workspace::bytes(std::max({1, p.threads, p.workspace_threads}), p.candidate_capacity);
+}
 
 void encode(const TopKPlan& p, const EncodeArgs& a) {
   dispatch_float(p.input, [&](auto in) {

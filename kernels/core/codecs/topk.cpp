@@ -80,6 +80,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
     // AIR-style adaptive candidate buffer: candidates are buffered only while they are few.
     p.candidate_capacity = std::min<int64_t>(n, n / 16 + 4096);
     p.threads = cpu_threads_for(n);
+    p.workspace_threads = cpu_threads_max(n);
     LayoutBuilder b(*this, n, in);
     b.wire(p.value_dtype).index(p.index_dtype).main_param(p.k);
     b.section("indices", p.k, p.index_dtype);

@@ -21,7 +21,8 @@ struct TopKPlan {
   DType value_dtype = DType::float32;
   int64_t values_offset = 0;      //!< byte offset of the values section
   int64_t candidate_capacity = 0; //!< CPU: entries the candidate buffer holds
-  int threads = 1;                //!< CPU threads of this call
+  int threads = 1;                //!< CPU threads of this call (fewer when cores are contended)
+  int workspace_threads = 1;      //!< CPU threads the workspace is sized for (the configured count)
   PacketLayout layout;            //!< section 0: indices, section 1: values
 };
 

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file codec.hpp
-//! The Codec interface (DESIGN.md section 3). A codec compresses a flat gradient x of `numel`
+//! The Codec interface. A codec compresses a flat gradient x of `numel`
 //! float32 / float16 / bfloat16 elements into a fixed-size packet, optionally with error feedback
 //! fused into the same pass, and decodes packets back (assign or accumulate, scaled by alpha).
 //!
-//! Fixed floating-point expressions (DESIGN.md section 2), all in binary32 round-to-nearest:
+//! Fixed floating-point expressions, all in binary32 round-to-nearest, never contracted into FMA:
 //!   x' = fl(x + r)            (x' = x without a residual)
 //!   y  = fl(x' / divisor)     (y = x' when divisor == 1)
 //!   D  = fl(float(code) * d)  (the decoded value; d = 1 for casts and top-k)
@@ -48,7 +48,7 @@ struct CodecProperties {
   bool keyed = false;
 };
 
-//! The key of codecs that draw random numbers (DESIGN.md section 3: Random123 Philox keyed by
+//! The key of codecs that draw random numbers (Random123 Philox keyed by
 //! values every rank shares). It travels in a 16-byte packet section (u64 seed, u32 step, u32
 //! bucket, little-endian), so decode needs no side channel. Codecs without randomness ignore it.
 struct EncodeContext {

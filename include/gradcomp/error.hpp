@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file error.hpp
-//! Exceptions thrown by gradcomp (DESIGN.md section 2). Every message names the failing call and
+//! Exceptions thrown by gradcomp. Every message names the failing call and
 //! the offending values, and for bad arguments lists what is accepted.
 #pragma once
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file packet.hpp
-//! The 32-byte packet header (DESIGN.md section 3), little-endian:
+//! The 32-byte packet header, little-endian:
 //!   offset 0 u32 magic "GCP1"; 4 u16 version; 6 u16 codec id; 8 u8 input dtype; 9 u8 wire dtype;
 //!   10 u8 index dtype; 11 u8 flags (bit 0: non-finite seen); 12 u32 FNV-1a hash of the canonical
 //!   spec; 16 u64 numel; 24 u64 main parameter (k for top-k, 0 for casts).

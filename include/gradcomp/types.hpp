@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file types.hpp
 //! Core value types of gradcomp: element types, devices, non-owning tensor views, streams.
-//! Compiles with any C++20 compiler; includes no CUDA or CCCL header (DESIGN.md section 1).
+//! Compiles with any C++20 compiler; includes no CUDA or CCCL header.
 #pragma once
 
 #include <cstddef>

@@ -1,7 +1,7 @@
 """gradcomp: gradient compression kernels with fused error feedback.
 
 Codecs (``gradcomp.Codec(spec)``) compress a flat float32/float16/bfloat16 gradient into a
-fixed-size packet (DESIGN.md section 3); ``gradcomp.torch`` turns them into PyTorch DDP
+fixed-size packet (see the README: codecs and packets); ``gradcomp.torch`` turns them into PyTorch DDP
 communication hooks.
 
 Errors: ``InvalidArgumentError`` (ValueError) for bad arguments, ``CorruptPacketError``

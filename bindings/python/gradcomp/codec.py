@@ -172,7 +172,7 @@ class Codec:
     Codecs (``gradcomp.codecs()`` lists them with their keys and example specs): ``none``,
     ``fp16``, ``bf16`` (round-to-nearest-even casts, linear) and ``topk`` (exact top-k by
     magnitude; keys ``ratio`` in (0, 1] or ``k`` >= 0, ``index`` = auto|u32|u64, ``value_dtype``
-    = auto|float32|float16|bfloat16). See DESIGN.md section 3.
+    = auto|float32|float16|bfloat16). The README describes each codec and the packet format.
 
     Raises:
         InvalidArgumentError: unknown codec name or key, or an out-of-range value.

@@ -1,4 +1,4 @@
-"""The one home of gradcomp's byte formulas and of the ``auto`` scheme choice (DESIGN.md section 5).
+"""The one home of gradcomp's byte formulas and of the ``auto`` scheme choice.
 
 Every function here is pure: its result depends only on inputs every rank shares -- element
 counts, dtypes, the world size W, a codec's properties and packet sizes -- never on timings or on
@@ -141,7 +141,7 @@ def choose_scheme(codec, numel: int, dtype: Any, world_size: int, requested: str
 
 
 def summarize(totals: Mapping[str, float]) -> Dict[str, float]:
-    """The three ratios of DESIGN.md section 5 from summed byte counts.
+    """The three ratios (packet_ratio, wire_ratio, bits per element) from summed byte counts.
 
     ``totals`` holds ``numel`` (elements), ``dense_bytes``, ``packet_bytes``, ``sent_bytes`` and
     ``ring_bytes`` (bytes, summed over any set of buckets and steps). Returns

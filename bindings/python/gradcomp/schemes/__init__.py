@@ -1,5 +1,5 @@
 """Collective schemes: a codec turned into a compressed allreduce over torch.distributed
-(DESIGN.md section 5).
+(the README: "Compressed allreduce" and "DDP communication hook").
 
 Each scheme is a function ``scheme(tensor, ctx, slots=None, probe=None) -> torch.futures.Future``
 that averages ``tensor`` over ``ctx.group`` in place (the Future holds ``tensor``, bitwise identical

@@ -2,8 +2,8 @@
 
 Top-k with locally kept residuals is Aji & Heafield, "Sparse Communication for Distributed
 Gradient Descent" (EMNLP 2017) and Lin et al., "Deep Gradient Compression" (ICLR 2018); a sparse
-packet cannot be summed on the wire, so every rank receives every packet (DESIGN.md section 5:
-deterministic, no atomics; bytes per rank grow with W)."""
+packet cannot be summed on the wire, so every rank receives every packet (deterministic, no
+atomics; bytes per rank grow with W)."""
 
 from typing import Mapping, Optional
 

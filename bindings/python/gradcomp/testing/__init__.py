@@ -6,7 +6,7 @@ present (CPU; CUDA when torch sees a GPU), for float32, float16 and bfloat16 inp
     pytest --pyargs gradcomp.testing
     pytest --pyargs gradcomp.testing --codec 'topk:ratio=0.05' --codec fp16   # your own specs
 
-What it checks (DESIGN.md sections 2-3; tests/cpp/test_contract.cpp is the C++ twin):
+What it checks (tests/cpp/test_contract.cpp is the C++ twin):
   * the spec round trip (``Codec(c.spec).spec == c.spec``; example specs are canonical);
   * ``packet_bytes`` a multiple of 16, the same on every call and equal to the layout's size; the
     layout's sections 16-byte aligned, in order, inside the packet; every other byte zero;

@@ -17,13 +17,16 @@ if [[ -d $cm/gradcomp_cpu_native.dir ]]; then
   echo "check_portable: $build is a GRADCOMP_NATIVE=ON build (not portable by design): skipped"; exit 0
 fi
 shopt -s nullglob
-base=("$cm"/gradcomp_core.dir/kernels/core/*.o "$cm"/gradcomp_core.dir/kernels/core/codecs/*.o "$cm"/gradcomp_cpu_generic.dir/kernels/cpu/*.o)
+# objects of sources that still exist (a build folder may keep objects of deleted files)
+current() { for o in "$@"; do local src=${o#*.dir/}; [[ -f $root/${src%.o} ]] && echo "$o"; done; }
+mapfile -t base < <(current "$cm"/gradcomp_core.dir/kernels/core/*.o "$cm"/gradcomp_core.dir/kernels/core/codecs/*.o \
+                            "$cm"/gradcomp_cpu_generic.dir/kernels/cpu/*.o)
 [[ ${#base[@]} -gt 0 ]] || { echo "check_portable: no objects under $cm" >&2; exit 1; }
 for o in "${base[@]}"; do
   n=$(objdump -d --no-show-raw-insn "$o" | grep -cE '%[yz]mm[0-9]' || true)
   if [[ $n != 0 ]]; then echo "FAIL ${o#$build/}: $n instructions on ymm/zmm registers in baseline code" >&2; status=1; fi
 done
-for o in "$cm"/gradcomp_cpu_avx2.dir/kernels/cpu/*.o "$cm"/gradcomp_cpu_avx512.dir/kernels/cpu/*.o; do
+for o in $(current "$cm"/gradcomp_cpu_avx2.dir/kernels/cpu/*.o "$cm"/gradcomp_cpu_avx512.dir/kernels/cpu/*.o); do
   weak=$(readelf -sW "$o" | awk '$4=="FUNC" && ($5=="WEAK" || $5=="UNIQUE") && $7!="UND" {print $8}' | c++filt || true)
   if [[ -n $weak ]]; then
     echo "FAIL ${o#$build/}: weak function symbols the linker may share with the generic variant:" >&2

@@ -57,6 +57,7 @@ py::dict properties_dict(const CodecProperties& p) {
   d["deterministic"] = p.deterministic;
   d["exact_residual"] = p.exact_residual;
   d["keyed"] = p.keyed;
+  d["sparse"] = p.sparse;
   return d;
 }
 

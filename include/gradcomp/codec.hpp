@@ -46,6 +46,9 @@ struct CodecProperties {
   bool exact_residual = false;
   //! The codec draws random numbers: its packets carry the EncodeContext in a 16-byte key section.
   bool keyed = false;
+  //! The packet holds a subset of the elements (indices and values: top-k): schemes that re-encode
+  //! a sum (two_phase) do not fit it; the `auto` scheme sends it with `gather`.
+  bool sparse = false;
 };
 
 //! The key of codecs that draw random numbers (Random123 Philox keyed by

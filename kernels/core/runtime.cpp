@@ -20,6 +20,9 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #ifndef GRADCOMP_CUDA_ARCHS
 #define GRADCOMP_CUDA_ARCHS ""
@@ -137,8 +140,10 @@ detail::CpuIsa best_isa() {
   if (variant_built("avx512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return detail::CpuIsa::avx512;
-  if (variant_built("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-      __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"))
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;  // clang's builtin lacks "f16c"
+  if (variant_built("avx2") && __builtin_cpu_supports("avx2") && f16c && __builtin_cpu_supports("bmi2") &&
+      __builtin_cpu_supports("popcnt"))
     return detail::CpuIsa::avx2;
 #endif
   return detail::CpuIsa::generic;

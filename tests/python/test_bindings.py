@@ -169,9 +169,9 @@ def test_packet_bytes_and_payload():
     c = gradcomp.Codec("topk:ratio=0.1")
     assert c.payload(100) is None
     assert c.properties == {"linear": False, "unbiased": False, "deterministic": True, "exact_residual": True,
-                            "keyed": False}
+                            "keyed": False, "sparse": True}
     assert gradcomp.Codec("fp16").properties == {"linear": True, "unbiased": False, "deterministic": True,
-                                                 "exact_residual": True, "keyed": False}
+                                                 "exact_residual": True, "keyed": False, "sparse": False}
     assert gradcomp.Codec("none").properties["unbiased"] is True
     assert c.packet_bytes(100, "float32") == 32 + 2 * 48
     assert c.packet_bytes(100, torch.float16) == 32 + 48 + 32

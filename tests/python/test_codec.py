@@ -408,7 +408,7 @@ def test_cast_payload_view_sums(spec, in_dtype):
     rng = _rng(spec, in_dtype)
     c = gradcomp.Codec(spec)
     assert c.properties == {"linear": True, "unbiased": spec == "none", "deterministic": True,
-                            "exact_residual": True, "keyed": False}
+                            "exact_residual": True, "keyed": False, "sparse": False}
     off, count, wire = c.payload(n, in_dtype)
     xs = [convert_input(rng.integers(-8, 8, n).astype(np.float32), in_dtype, "numpy") for _ in range(2)]
     ps = [c.encode(x) for x, _ in xs]

@@ -195,10 +195,11 @@ class Codec:
     @property
     def properties(self) -> dict:
         """``{"linear": bool, "unbiased": bool, "deterministic": bool, "exact_residual": bool,
-        "keyed": bool}``: linear (payloads may be summed by an allreduce), unbiased
+        "keyed": bool, "sparse": bool}``: linear (payloads may be summed by an allreduce), unbiased
         (E[decode(encode(x))] == x), deterministic (same input and key, same bytes),
         exact_residual (x + r_old == decode + r_new exactly at divisor 1), keyed (draws random
-        numbers; packets carry the encode key)."""
+        numbers; packets carry the encode key), sparse (the packet holds a subset of the elements,
+        as top-k's indices and values)."""
         return self._c.properties
 
     def layout(self, numel: int, dtype: Any = "float32") -> dict:

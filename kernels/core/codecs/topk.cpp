@@ -58,6 +58,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
     p.unbiased = false;
     p.deterministic = true;
     p.exact_residual = true;
+    p.sparse = true;
     return p;
   }
 

@@ -78,6 +78,14 @@ GRADCOMP_HD float mul_raw(float a, float b) {
 #endif
 }
 
+GRADCOMP_HD float div_raw(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 GRADCOMP_HD float add_rn(float a, float b) { return nan_rule(add_raw(a, b), a, b); }
 GRADCOMP_HD float sub_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)

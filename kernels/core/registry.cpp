@@ -4,7 +4,7 @@
 
 namespace gradcomp::detail {
 
-FactoryFn make_cast, make_topk; // defined in kernels/core/codecs/<family>.cpp
+FactoryFn make_cast, make_topk, make_blockq; // defined in kernels/core/codecs/<family>.cpp
 
 const std::vector<RegistryEntry>& registry() {
   static const std::vector<RegistryEntry> table = {
@@ -17,6 +17,13 @@ const std::vector<RegistryEntry>& registry() {
        {"topk:ratio=0.01", "topk:ratio=1", "topk:k=0", "topk:k=3,index=u64,value_dtype=bfloat16",
         "topk:ratio=0.3,value_dtype=float16"},
        "exact top-k by magnitude (Aji & Heafield, EMNLP 2017; Lin et al., ICLR 2018)"},
+      {"fp8", CodecId::fp8, {"format", "block", "scale"}, make_blockq,
+       {"fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "fp8:block=0", "fp8:format=e5m2,block=17"},
+       "float8 e4m3fn / e5m2 codes with a float32 (or OCP MX e8m0) scale per block (Micikevicius et al. 2022)"},
+      {"int8", CodecId::int8, {"block"}, make_blockq, {"int8", "int8:block=0", "int8:block=7"},
+       "symmetric int8 codes with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
+      {"int4", CodecId::int4, {"block"}, make_blockq, {"int4", "int4:block=0", "int4:block=6"},
+       "symmetric int4 codes, two per byte, with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
   };
   return table;
 }

@@ -5,6 +5,7 @@
 // reported through the status word without writes out of bounds. Every test skips without a GPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/quant.hpp"
 #include "cuda/plan.hpp"
 #include "gradcomp/gradcomp.hpp"
 
@@ -839,6 +841,92 @@ TEST(CudaDevices, ReadStatusAndGuardOnAFreshThread) {
   uint32_t got = 99;
   std::thread([&] { got = gradcomp::read_status(Tensor{dws.p, DType::uint8, 16, kGpu}); }).join();
   EXPECT_EQ(got, 0u);
+}
+
+// The hardware convert the CUDA fp8 encoder uses (cuda_fp8.h, satfinite, round to nearest even;
+// its host implementation here, no GPU needed) gives the codes of common::float_to_e4m3fn /
+// float_to_e5m2 for every finite quotient a block scale can produce (|q| below the overflow
+// thresholds 464 / 61440; the kernel handles non-finite quotients before the convert).
+TEST(CudaFp8Convert, HardwareConvertMatchesTheCommonRounding) {
+  std::mt19937_64 g(4242);
+  std::vector<float> vals;
+  for (uint32_t e = 90; e < 147; ++e)
+    for (int k = 0; k < 4000; ++k) vals.push_back(bitsf((uint32_t(g()) & 0x807FFFFFu) | (e << 23)));
+  for (float v : {0.0f, -0.0f, 448.0f, -448.0f, 463.99997f, 57344.0f, 61439.996f, 1e-40f, 1.4e-45f}) vals.push_back(v);
+  int bad = 0;
+  for (float v : vals) {
+    if (std::fabs(v) < 464.0f) {
+      const uint8_t hw = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+      if (hw != gradcomp::common::float_to_e4m3fn(v) && bad++ < 10)
+        ADD_FAILURE() << "e4m3 " << v << ": hw 0x" << std::hex << int(hw);
+    }
+    if (std::fabs(v) < 61440.0f) {
+      const uint8_t hw = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+      if (hw != gradcomp::common::float_to_e5m2(v) && bad++ < 10)
+        ADD_FAILURE() << "e5m2 " << v << ": hw 0x" << std::hex << int(hw);
+    }
+  }
+}
+
+// Block quantizers: CUDA packets, residuals and decoded values byte-for-byte equal to the CPU
+// backend's (whose semantics tests/cpp/test_quant.cpp and tests/python/test_quant.py check against
+// independent references), for every example spec, input dtype, divisor, sizes around the tile and
+// block boundaries, edge values, aligned and misaligned inputs.
+TEST(CudaBlockQ, PacketsAndResidualsEqualTheCpu) {
+  REQUIRE_GPU();
+  uint32_t seed = 51000;
+  std::vector<std::string> specs;
+  for (const auto& info : gradcomp::list_codecs())
+    if (info.name == "fp8" || info.name == "int8" || info.name == "int4")
+      for (const auto& e : info.examples) specs.push_back(e);
+  specs.push_back("fp8:block=1024");
+  specs.push_back("int4:block=1026");
+  for (const std::string& spec : specs) {
+    auto c = Codec::create(spec);
+    for (DType t : kDtypes) {
+      for (int64_t n : {int64_t(1), int64_t(7), int64_t(33), int64_t(1023), int64_t(1025), int64_t(70001),
+                        int64_t(1) << 20}) {
+        for (int variant = 0; variant < 3; ++variant) {
+          SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " + std::to_string(variant));
+          const auto x = to_dtype(make_values(n, variant == 2 ? Kind::edges : Kind::normal, seed++), t);
+          std::vector<float> r(static_cast<size_t>(n), 0.03125f);
+          const float div = variant == 1 ? 3.0f : 1.0f;
+          const auto cpu = encode_cpu(*c, x, t, n, &r, div);
+          const auto gpu = encode_gpu(*c, x, t, n, &r, div, variant == 1 ? 1 : 0);
+          ASSERT_EQ(first_diff(gpu.packet, cpu.packet), -1);
+          ASSERT_EQ(first_diff_f(gpu.residual, cpu.residual), -1);
+          for (DType out_t : kDtypes) {
+            const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
+            uint32_t s_cpu = 0, s_gpu = 0;
+            const auto a = decode_cpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
+            const auto b = decode_gpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
+            ASSERT_EQ(first_diff(a, b), -1);
+            ASSERT_EQ(s_cpu, s_gpu);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaBlockQ, CorruptHeaderWritesNothing) {
+  REQUIRE_GPU();
+  const int64_t n = 4000;
+  for (const char* spec : {"fp8", "int4", "fp8:scale=e8m0"}) {
+    auto c = Codec::create(spec);
+    const auto good = encode_cpu(*c, to_dtype(make_values(n, Kind::normal, 9), DType::float32), DType::float32, n,
+                                 nullptr, 1.0f).packet;
+    const std::vector<uint8_t> init(static_cast<size_t>(n * 4), 0x33);
+    for (int offset : {0, 6, 8, 9, 11, 12, 16, 24}) {
+      SCOPED_TRACE(std::string(spec) + " header byte " + std::to_string(offset));
+      auto bad = good;
+      bad[size_t(offset)] ^= 0x40;
+      uint32_t st = 0;
+      const auto out = decode_gpu(*c, bad, DType::float32, n, init, DecodeMode::assign, 1.0f, &st);
+      EXPECT_EQ(st, gradcomp::kStatusCorrupt);
+      EXPECT_EQ(first_diff(out, init), -1);
+    }
+  }
 }
 
 TEST(CudaInfo, BuildInfo) {

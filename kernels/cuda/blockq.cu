@@ -1,0 +1,442 @@
+// SPDX-License-Identifier: Apache-2.0
+// CUDA backend of the block quantizers fp8 / int8 / int4 (kernels/core/codecs/blockq.hpp) with fused
+// error feedback. Packets are byte-for-byte those of kernels/cpu/blockq.cpp: the same scale rules
+// and integer rounding (kernels/common/quant.hpp), the fixed float32 expressions (common/math.hpp),
+// and for fp8 the hardware round-to-nearest-even convert (cuda_fp8.h, satfinite) applied only to
+// finite quotients -- a non-finite one takes ml_dtypes' pattern first; finite quotients never
+// exceed the largest finite value by more than a rounding, where satfinite and ml_dtypes agree.
+//
+// Encode, blocks of at most kTile elements (the defaults 128 and 32): one pass. A CUDA block owns
+// a tile of whole data blocks (kTile / B of them); each thread loads 4 consecutive elements of x
+// (and the residual) with 16-byte loads when aligned, keeps x' and y in registers, and takes the
+// per-data-block finite amax with shared-memory atomicMax on the float bits (non-negative floats
+// order as integers; max is order-free, so the result does not depend on scheduling); after a
+// barrier the scales are set and each thread quantizes its 4 elements (codes stored as one 32-bit
+// word, int4 as 16 bits, the residual as a float4). Larger blocks and block=0: an amax kernel
+// (global atomicMax per data block into the workspace), then an element-wise quantization kernel.
+// The last CUDA block (atomic counter) writes the header, zeroes the padding.
+// Decode: element-wise, 4 per thread; the header is checked on the device (checked_input).
+#include <cuda_fp8.h>
+
+#include "../common/quant.hpp"
+#include "../core/codecs/blockq.hpp"
+#include "common.cuh"
+
+namespace gradcomp::detail::cuda {
+namespace {
+
+using common::add_rn;
+using common::div_rn;
+using common::mul_rn;
+using common::sub_rn;
+using plan::kThreads;
+
+constexpr int kQuad = 4;
+constexpr int64_t kTile = int64_t(kThreads) * kQuad;  // 1024 elements per CUDA block and step
+
+// workspace: [0, 16) status word, flag (4), counter (8); [16, ...) for the two-pass path: per data
+// block the amax bits (u32) and the non-finite bit (u32)
+constexpr int64_t kFlagOffset = plan::kCastFlagOffset;
+constexpr int64_t kCounterOffset = plan::kCastCounterOffset;
+constexpr int64_t kAmaxOffset = 16;
+
+template <QuantKind K> struct DQ;
+template <> struct DQ<QuantKind::e4m3> {
+  static constexpr float kMax = common::kE4M3Max;
+  __device__ static uint32_t code(float q) {
+    if (!common::is_finite_bits(__float_as_uint(q))) return common::float_to_e4m3fn(q);  // NaN / inf patterns
+    return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+  }
+  __device__ static float value(uint32_t c) { return common::e4m3fn_to_float(uint8_t(c)); }
+};
+template <> struct DQ<QuantKind::e5m2> {
+  static constexpr float kMax = common::kE5M2Max;
+  __device__ static uint32_t code(float q) {
+    if (!common::is_finite_bits(__float_as_uint(q))) return common::float_to_e5m2(q);
+    return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E5M2);
+  }
+  __device__ static float value(uint32_t c) { return common::e5m2_to_float(uint8_t(c)); }
+};
+template <int Max> struct DIntQ {
+  static constexpr float kMax = float(Max);
+  __device__ static uint32_t code(float q) {
+    const float r = common::round_half_even(q);
+    return uint32_t(int32_t(fminf(fmaxf(r, -kMax), kMax)));
+  }
+  __device__ static float value(uint32_t c) { return float(int32_t(c)); }
+};
+template <> struct DQ<QuantKind::int8> : DIntQ<127> {};
+template <> struct DQ<QuantKind::int4> : DIntQ<7> {};
+constexpr bool is_int(QuantKind k) { return k == QuantKind::int8 || k == QuantKind::int4; }
+
+struct EncArgs {
+  const void* x;
+  float* r;
+  int64_t n;
+  int64_t B;
+  int64_t nblocks;
+  float div;
+  int div1;
+  int e8m0;
+  int vec;          //!< x, r and the tiles 16-byte aligned: vector loads
+  uint8_t* packet;
+  int64_t codes_off;
+  int64_t scales_off;
+  uint32_t* flag;
+  uint32_t* counter;
+  uint32_t* amax;   //!< two-pass path: [nblocks] amax bits, then [nblocks] non-finite bits
+  PacketLayout layout;
+  EncodeContext ctx;
+};
+
+//! The scale of a data block from its amax bits and non-finite bit; writes it into the packet.
+template <QuantKind K> __device__ float set_scale(const EncArgs& a, int64_t b, uint32_t amax_bits, bool nonfinite) {
+  const float amax = __uint_as_float(amax_bits);
+  float d;
+  if (is_int(K) && nonfinite) {
+    d = __uint_as_float(0x7FC00000u);
+    reinterpret_cast<float*>(a.packet + a.scales_off)[b] = d;
+  } else if (a.e8m0) {
+    const uint8_t byte = common::block_scale_e8m0(amax, DQ<K>::kMax);
+    d = common::e8m0_to_float(byte);
+    a.packet[a.scales_off + b] = byte;
+  } else {
+    d = common::block_scale(amax, DQ<K>::kMax);
+    reinterpret_cast<float*>(a.packet + a.scales_off)[b] = d;
+  }
+  return d;
+}
+
+//! Store the codes of the 4 (or fewer, nv) consecutive elements starting at element i.
+template <QuantKind K> __device__ void store_codes(const EncArgs& a, int64_t i, const uint32_t (&c)[kQuad], int nv) {
+  uint8_t* codes = a.packet + a.codes_off;
+  if constexpr (K == QuantKind::int4) {
+    if (nv == kQuad && (i % 4) == 0) {
+      const uint16_t w = uint16_t((c[0] & 15u) | ((c[1] & 15u) << 4) | ((c[2] & 15u) << 8) | ((c[3] & 15u) << 12));
+      reinterpret_cast<uint16_t*>(codes)[i / 2 / 2] = w;
+    } else {  // i is even (blocks are even), so the quad's bytes are its own
+#pragma unroll
+      for (int j = 0; j < kQuad; j += 2) {
+        if (j < nv) {
+          const uint32_t hi = j + 1 < nv ? (c[j + 1] & 15u) << 4 : 0u;
+          codes[(i + j) / 2] = uint8_t((c[j] & 15u) | hi);
+        }
+      }
+    }
+  } else {
+    if (nv == kQuad && (i % 4) == 0) {
+      reinterpret_cast<uint32_t*>(codes)[i / 4] =
+          (c[0] & 255u) | ((c[1] & 255u) << 8) | ((c[2] & 255u) << 16) | ((c[3] & 255u) << 24);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j)
+        if (j < nv) codes[i + j] = uint8_t(c[j]);
+    }
+  }
+}
+
+template <class In, bool HasRes>
+__device__ void load_quad(const EncArgs& a, int64_t i, int nv, bool vec, float (&xp)[kQuad], float (&y)[kQuad]) {
+  const auto* xs = static_cast<const typename In::storage*>(a.x);
+  if (vec && nv == kQuad) {
+    if constexpr (sizeof(typename In::storage) == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(xs + i);
+      xp[0] = v.x; xp[1] = v.y; xp[2] = v.z; xp[3] = v.w;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(xs + i);
+      xp[0] = In::load(uint16_t(v.x & 0xFFFFu)); xp[1] = In::load(uint16_t(v.x >> 16));
+      xp[2] = In::load(uint16_t(v.y & 0xFFFFu)); xp[3] = In::load(uint16_t(v.y >> 16));
+    }
+    if constexpr (HasRes) {
+      const float4 r = *reinterpret_cast<const float4*>(a.r + i);
+      xp[0] = add_rn(xp[0], r.x); xp[1] = add_rn(xp[1], r.y); xp[2] = add_rn(xp[2], r.z); xp[3] = add_rn(xp[3], r.w);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQuad; ++j) {
+      float v = 0.0f;
+      if (j < nv) {
+        v = In::load(xs[i + j]);
+        if constexpr (HasRes) v = add_rn(v, a.r[i + j]);
+      }
+      xp[j] = v;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kQuad; ++j) y[j] = a.div1 ? xp[j] : div_rn(xp[j], a.div);
+}
+
+//! Quantize a quad with per-element scales d[j]; stores codes and the residual; returns 1 when a
+//! decoded value is non-finite.
+template <QuantKind K, bool HasRes>
+__device__ uint32_t quantize_quad(const EncArgs& a, int64_t i, int nv, bool vec, const float (&xp)[kQuad],
+                                  const float (&y)[kQuad], const float (&d)[kQuad], const bool (&nfb)[kQuad]) {
+  uint32_t c[kQuad];
+  float rn[kQuad];
+  uint32_t nf = 0;
+#pragma unroll
+  for (int j = 0; j < kQuad; ++j) {
+    c[j] = (is_int(K) && nfb[j]) || j >= nv ? 0u : DQ<K>::code(div_rn(y[j], d[j]));
+    const float dv = mul_rn(DQ<K>::value(c[j]), d[j]);
+    rn[j] = a.div1 ? sub_rn(xp[j], dv) : sub_rn(xp[j], mul_rn(a.div, dv));
+    if (j < nv) nf |= nonfinite_bit(dv);
+  }
+  store_codes<K>(a, i, c, nv);
+  if constexpr (HasRes) {
+    if (vec && nv == kQuad) {
+      *reinterpret_cast<float4*>(a.r + i) = make_float4(rn[0], rn[1], rn[2], rn[3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j)
+        if (j < nv) a.r[i + j] = rn[j];
+    }
+  }
+  return nf;
+}
+
+__device__ void finish(const EncArgs& a, uint32_t nf) {
+  if (__syncthreads_or(nf) && threadIdx.x == 0) atomicOr(a.flag, 1u);
+  __shared__ bool s_last;
+  if (!elect_last_block(a.counter, &s_last)) return;
+  __shared__ uint32_t s_flag;
+  if (threadIdx.x == 0) s_flag = atomicOr(a.flag, 0u);
+  __syncthreads();
+  finish_packet_block(a.packet, a.layout, s_flag ? kFlagNonFinite : 0, a.ctx);
+}
+
+// ---- one pass: tiles of whole data blocks ------------------------------------------------------------------
+template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(kThreads) tile_kernel(EncArgs a) {
+  __shared__ uint32_t s_amax[kTile];
+  __shared__ uint32_t s_nf[kTile];
+  const int64_t per_tile = kTile / a.B;  // data blocks per tile (>= 1)
+  const int64_t tile_elems = per_tile * a.B;
+  const int64_t ntiles = (a.nblocks + per_tile - 1) / per_tile;
+  uint32_t nf = 0;
+  for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {  // uniform over the CUDA block
+    const int64_t t0 = t * tile_elems;
+    const int64_t t1 = plan::min64(a.n, t0 + tile_elems);
+    const int64_t b0 = t * per_tile;
+    const int64_t nb = plan::min64(per_tile, a.nblocks - b0);
+    for (int64_t j = threadIdx.x; j < nb; j += kThreads) {
+      s_amax[j] = 0u;
+      s_nf[j] = 0u;
+    }
+    __syncthreads();
+    const int64_t i = t0 + int64_t(threadIdx.x) * kQuad;
+    const int nv = int(plan::max64(0, plan::min64(kQuad, t1 - i)));
+    const bool vec = a.vec && (t0 % kQuad) == 0;
+    float xp[kQuad], y[kQuad];
+    if (nv > 0) load_quad<In, HasRes>(a, i, nv, vec, xp, y);
+#pragma unroll
+    for (int j = 0; j < kQuad; ++j) {
+      if (j < nv) {
+        const int64_t lb = (i + j - t0) / a.B;
+        atomicMax(&s_amax[lb], __float_as_uint(common::finite_abs(y[j])));
+        if (!common::is_finite_bits(__float_as_uint(y[j]))) atomicOr(&s_nf[lb], 1u);
+      }
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < nb; j += kThreads) {
+      const float d = set_scale<K>(a, b0 + j, s_amax[j], s_nf[j] != 0u);
+      s_amax[j] = __float_as_uint(d);  // the scale, for the quantization below
+    }
+    __syncthreads();
+    if (nv > 0) {
+      float d[kQuad];
+      bool nfb[kQuad];
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j) {
+        const int64_t lb = j < nv ? (i + j - t0) / a.B : 0;
+        d[j] = __uint_as_float(s_amax[lb]);
+        nfb[j] = s_nf[lb] != 0u;
+      }
+      nf |= quantize_quad<K, HasRes>(a, i, nv, vec, xp, y, d, nfb);
+    }
+    __syncthreads();
+  }
+  finish(a, nf);
+}
+
+// ---- two passes: large blocks and block=0 ---------------------------------------------------------------------
+template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(kThreads) amax_kernel(EncArgs a) {
+  const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
+  for (int64_t i = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad; i < a.n; i += stride) {
+    const int nv = int(plan::min64(kQuad, a.n - i));
+    float xp[kQuad], y[kQuad];
+    load_quad<In, HasRes>(a, i, nv, a.vec != 0, xp, y);
+#pragma unroll
+    for (int j = 0; j < kQuad; ++j) {
+      if (j < nv) {
+        const int64_t b = (i + j) / a.B;
+        atomicMax(&a.amax[b], __float_as_uint(common::finite_abs(y[j])));
+        if (!common::is_finite_bits(__float_as_uint(y[j]))) atomicOr(&a.amax[a.nblocks + b], 1u);
+      }
+    }
+  }
+}
+
+template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(kThreads) quant_kernel(EncArgs a) {
+  uint32_t nf = 0;
+  const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
+  for (int64_t i = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad; i < a.n; i += stride) {
+    const int nv = int(plan::min64(kQuad, a.n - i));
+    float xp[kQuad], y[kQuad], d[kQuad];
+    bool nfb[kQuad];
+    load_quad<In, HasRes>(a, i, nv, a.vec != 0, xp, y);
+#pragma unroll
+    for (int j = 0; j < kQuad; ++j) {
+      const int64_t b = j < nv ? (i + j) / a.B : 0;
+      const bool bnf = a.amax[a.nblocks + b] != 0u;
+      // every thread derives the scale; the one holding the block's first element stores it
+      if (j < nv && (i + j) % a.B == 0) d[j] = set_scale<K>(a, b, a.amax[b], bnf);
+      else if (is_int(K) && bnf) d[j] = __uint_as_float(0x7FC00000u);
+      else if (a.e8m0) d[j] = common::e8m0_to_float(common::block_scale_e8m0(__uint_as_float(a.amax[b]), DQ<K>::kMax));
+      else d[j] = common::block_scale(__uint_as_float(a.amax[b]), DQ<K>::kMax);
+      nfb[j] = bnf;
+    }
+    nf |= quantize_quad<K, HasRes>(a, i, nv, a.vec != 0, xp, y, d, nfb);
+  }
+  finish(a, nf);
+}
+
+// ---- decode -------------------------------------------------------------------------------------------------------
+template <QuantKind K, class O, bool Acc>
+__global__ void __launch_bounds__(kThreads) decode_kernel(const uint8_t* __restrict__ packet,
+                                                          typename O::storage* __restrict__ out, int64_t n, int64_t B,
+                                                          int e8m0, float alpha, HeaderExpect e, uint32_t* status) {
+  __shared__ int64_t s_codes, s_scales;
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    const PacketHeader h = load_header(packet);
+    const int input = checked_input(h, e);
+    s_ok = input >= 0;
+    if (input >= 0) {
+      s_codes = expect_section(e, input, 0).offset;
+      s_scales = expect_section(e, input, 1).offset;
+      if (blockIdx.x == 0 && (h.flags & kFlagNonFinite)) atomicOr(status, kStatusNonFinite);
+    } else if (blockIdx.x == 0) {
+      atomicOr(status, kStatusCorrupt);
+    }
+  }
+  __syncthreads();
+  if (!s_ok) return;  // corrupt: write nothing
+  const uint8_t* codes = packet + s_codes;
+  const uint8_t* scales = packet + s_scales;
+  const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
+  for (int64_t i = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad; i < n; i += stride) {
+    const int nv = int(plan::min64(kQuad, n - i));
+    for (int j = 0; j < nv; ++j) {
+      const int64_t k = i + j;
+      const int64_t b = k / B;
+      const float d = e8m0 ? common::e8m0_to_float(scales[b]) : reinterpret_cast<const float*>(scales)[b];
+      uint32_t c;
+      if constexpr (K == QuantKind::int4) {
+        const uint32_t nib = (k & 1) ? uint32_t(codes[k >> 1] >> 4) : uint32_t(codes[k >> 1] & 15u);
+        c = nib & 8u ? nib | 0xFFFFFFF0u : nib;
+      } else if constexpr (K == QuantKind::int8) {
+        c = uint32_t(int32_t(int8_t(codes[k])));
+      } else {
+        c = codes[k];
+      }
+      const float v = mul_rn(mul_rn(DQ<K>::value(c), d), alpha);
+      out[k] = O::store(Acc ? add_rn(O::load(out[k]), v) : v);
+    }
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------------------------
+template <class F> void dispatch_kind(QuantKind k, F&& f) {
+  switch (k) {
+    case QuantKind::e4m3: return f(std::integral_constant<QuantKind, QuantKind::e4m3>{});
+    case QuantKind::e5m2: return f(std::integral_constant<QuantKind, QuantKind::e5m2>{});
+    case QuantKind::int8: return f(std::integral_constant<QuantKind, QuantKind::int8>{});
+    case QuantKind::int4: return f(std::integral_constant<QuantKind, QuantKind::int4>{});
+  }
+}
+
+int64_t workspace_bytes(const BlockQPlan& p) {
+  return p.block <= kTile ? plan::kStatusBytes : kAmaxOffset + plan::align_up(p.nblocks * 8, 16);
+}
+
+void encode(const BlockQPlan& p, const EncodeArgs& args) {
+  DeviceGuard guard(args.x.device.index);
+  const cudaStream_t s = to_cuda(args.stream);
+  const int sms = sm_count(args.x.device.index);
+  uint8_t* ws = args.workspace;
+  const bool one_pass = p.block <= kTile;
+  // the flag and the counter; the amax words of the two-pass path
+  GRADCOMP_CUDA_CHECK(cudaMemsetAsync(ws + kFlagOffset, 0, 8, s));
+  if (!one_pass) GRADCOMP_CUDA_CHECK(cudaMemsetAsync(ws + kAmaxOffset, 0, size_t(p.nblocks * 8), s));
+  EncArgs a{};
+  a.x = args.x.data;
+  a.r = args.residual;
+  a.n = p.numel;
+  a.B = p.block;
+  a.nblocks = p.nblocks;
+  a.div = args.divisor;
+  a.div1 = args.divisor == 1.0f;
+  a.e8m0 = p.e8m0;
+  a.vec = aligned16(args.x.data) && (args.residual == nullptr || aligned16(args.residual));
+  a.packet = args.packet;
+  a.codes_off = p.layout.sections[0].offset;
+  a.scales_off = p.layout.sections[1].offset;
+  a.flag = reinterpret_cast<uint32_t*>(ws + kFlagOffset);
+  a.counter = reinterpret_cast<uint32_t*>(ws + kCounterOffset);
+  a.amax = reinterpret_cast<uint32_t*>(ws + kAmaxOffset);
+  a.layout = p.layout;
+  a.ctx = args.ctx;
+  // x of float16/bfloat16 is read 4 elements (8 bytes) at a time: 8-byte alignment suffices there
+  if (p.input != DType::float32)
+    a.vec = (reinterpret_cast<uintptr_t>(args.x.data) % 8 == 0) && (args.residual == nullptr || aligned16(args.residual));
+  const int64_t per_tile = one_pass ? kTile / p.block : 1;
+  const int64_t ntiles = one_pass ? (p.nblocks + per_tile - 1) / per_tile : 0;
+  const auto grid = unsigned(plan::max64(1, plan::min64(one_pass ? ntiles : plan::ceil_div(p.numel, kTile),
+                                                        int64_t(sms) * plan::kBlocksPerSM * 2)));
+  common::dispatch_float(p.input, [&](auto in) {
+    using In = decltype(in);
+    dispatch_kind(p.kind, [&](auto kind) {
+      constexpr QuantKind K = decltype(kind)::value;
+      auto run = [&](auto has_res) {
+        constexpr bool R = decltype(has_res)::value;
+        if (one_pass) {
+          tile_kernel<In, K, R><<<grid, kThreads, 0, s>>>(a);
+          GRADCOMP_CUDA_CHECK_LAUNCH("blockq tile_kernel");
+        } else {
+          amax_kernel<In, K, R><<<grid, kThreads, 0, s>>>(a);
+          GRADCOMP_CUDA_CHECK_LAUNCH("blockq amax_kernel");
+          quant_kernel<In, K, R><<<grid, kThreads, 0, s>>>(a);
+          GRADCOMP_CUDA_CHECK_LAUNCH("blockq quant_kernel");
+        }
+      };
+      if (args.residual) run(std::true_type{});
+      else run(std::false_type{});
+    });
+  }, "blockq: input");
+}
+
+void decode(const BlockQPlan& p, const DecodeArgs& a) {
+  DeviceGuard guard(a.out.device.index);
+  const cudaStream_t s = to_cuda(a.stream);
+  const int sms = sm_count(a.out.device.index);
+  const auto grid =
+      unsigned(plan::max64(1, plan::min64(plan::ceil_div(p.numel, kTile), int64_t(sms) * plan::kBlocksPerSM * 2)));
+  auto* status = reinterpret_cast<uint32_t*>(a.workspace);
+  common::dispatch_float(a.out.dtype, [&](auto o) {
+    using O = decltype(o);
+    auto* op = static_cast<typename O::storage*>(a.out.data);
+    dispatch_kind(p.kind, [&](auto kind) {
+      constexpr QuantKind K = decltype(kind)::value;
+      if (a.mode == DecodeMode::accumulate)
+        decode_kernel<K, O, true><<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.block, p.e8m0, a.alpha, *a.expect, status);
+      else
+        decode_kernel<K, O, false><<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.block, p.e8m0, a.alpha, *a.expect, status);
+      GRADCOMP_CUDA_CHECK_LAUNCH("blockq decode_kernel");
+    });
+  }, "decode: out");
+}
+
+} // namespace
+
+const Kernels<BlockQPlan> blockq = {&workspace_bytes, &encode, &decode};
+
+} // namespace gradcomp::detail::cuda

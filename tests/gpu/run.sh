@@ -132,7 +132,9 @@ if [[ $python == ON && -n $so ]]; then
   rc=$?
   [[ $rc == 5 ]] && echo "pytest: test_cuda.py collected no test"
   [[ $rc != 0 ]] && failures+=("pytest tests/python/test_cuda.py (rc $rc)")
-  (cd "$log" && timeout 90 "$py" -m pytest -p gradcomp.testing.plugin --pyargs gradcomp.testing -k cuda -q \
+  # the plugin: the installed package's pytest11 entry point, or by name from the staged sources
+  plug=$("$py" -c 'import importlib.metadata as m; print("" if any(e.name == "gradcomp" for e in m.entry_points(group="pytest11")) else "-p gradcomp.testing.plugin")')
+  (cd "$log" && timeout 90 "$py" -m pytest $plug --pyargs gradcomp.testing -k cuda -q \
      -p no:cacheprovider --junitxml="$log/pytest_contract_cuda.xml")
   rc=$?
   [[ $rc == 5 ]] && echo "pytest: the contract suite collected no CUDA case"

@@ -158,3 +158,24 @@ def test_cuda_runs_on_the_current_stream():
         y = c.decode(p, numel=n)
     s.synchronize()
     np.testing.assert_array_equal(y.cpu().numpy(), x.cpu().numpy().astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("spec", ["fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "fp8:block=0", "int8", "int4",
+                                  "int4:block=6", "int8:block=2000"])
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 129, 4097, (1 << 20) + 3])
+def test_cuda_blockq_packet_equals_cpu(spec, in_dtype, n):
+    """fp8 / int8 / int4: the CUDA packet, residual and decode are bitwise those of the CPU backend
+    (which test_quant.py checks against ml_dtypes / numpy)."""
+    rng = np.random.default_rng(n + len(spec))
+    x32 = make_input("special", n, rng)
+    xt, _ = convert_input(x32, in_dtype, "torch")
+    r = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    c = gradcomp.Codec(spec)
+    r_gpu, r_cpu = torch.from_numpy(r.copy()).cuda(), torch.from_numpy(r.copy())
+    p_gpu = c.encode(xt.cuda(), residual=r_gpu, divisor=3)
+    p_cpu = c.encode(xt, residual=r_cpu, divisor=3)
+    assert np.array_equal(as_np_bytes(p_gpu.cpu()), as_np_bytes(p_cpu))
+    assert np.array_equal(f32_bits(r_gpu.cpu().numpy()), f32_bits(r_cpu.numpy()))
+    out_gpu, out_cpu = c.decode(p_gpu, numel=n), c.decode(p_cpu, numel=n)
+    assert np.array_equal(f32_bits(out_gpu.cpu().numpy()), f32_bits(out_cpu.numpy()))

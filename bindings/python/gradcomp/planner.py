@@ -13,20 +13,31 @@ Formulas (bytes one rank sends; ring algorithms, as NCCL and gloo use):
   - ring all-gather of one P-byte packet per rank: (W-1) * P;
   - dense: the bucket itself through a ring allreduce;
   - sum: the codec's payload (``codec.payload``) through a ring allreduce;
-  - gather: the codec's packet through a ring all-gather.
+  - gather: the codec's packet through a ring all-gather;
+  - two_phase: the bucket cut into W chunks of c = ceil(n / W) elements (:func:`chunk`), each
+    encoded into a slot of P1 = ``packet_bytes(c, dtype)`` bytes and sent in one all-to-all
+    ((W-1) * P1: a rank keeps its own chunk's slot), then each rank's re-encoded float32 chunk
+    in a slot of P2 = ``packet_bytes(c, float32)`` bytes through a ring all-gather
+    ((W-1) * P2); P1 == P2 for a float32 bucket and for every codec whose packet does not depend
+    on the input dtype, so the total is 2 (W-1) P, about 2 (W-1)/W of the whole bucket's packet.
 Ratios (``summarize``): packet_ratio = packet bytes / dense bytes; wire_ratio = bytes sent under
 the scheme / bytes a ring allreduce of the dense bucket sends; bits per element = 8 * packet
 bytes / numel.
+
+Sources of two_phase: the error-compensated compressed allreduce of DeepSpeed's 1-bit Adam (Tang
+et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence Speed",
+ICML 2021) and ZeRO++'s quantized gradient reduction qgZ (Wang et al., "ZeRO++: Extremely
+Efficient Collective Communication for Giant Model Training", 2023).
 
 Callers: ``gradcomp.torch.Compressor`` (scheme choice, the accounting in ``stats()``) and through it
 the DDP hook and the experiment harness.
 """
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Tuple
 
 from .codec import _dtype_name
 
-SCHEMES = ("dense", "sum", "gather")
+SCHEMES = ("dense", "sum", "gather", "two_phase")
 """The schemes the planner can account for (``"auto"`` resolves to one of them)."""
 
 # Bytes per element by dtype name (torch / numpy names). A dtype not listed raises.
@@ -69,6 +80,36 @@ def all_gather_bytes(packet_bytes: int, world_size: int) -> int:
     return (int(world_size) - 1) * int(packet_bytes)
 
 
+def chunk(numel: int, world_size: int, index: int) -> Tuple[int, int]:
+    """Chunk ``index`` of a flat bucket of ``numel`` elements cut for the ``two_phase`` scheme:
+    ``(start, count)`` in elements, chunk i = [i c, min(n, (i+1) c)) with c = ceil(n / W) =
+    :func:`chunk_size`; the last chunks are shorter or empty (count 0) when W does not divide n
+    (e.g. n = 1, W = 4: (0, 1), (1, 0), (1, 0), (1, 0)).
+
+    Raises:
+        ValueError: ``index`` outside [0, W).
+    """
+    n, W, i = int(numel), int(world_size), int(index)
+    if not 0 <= i < W:
+        raise ValueError(f"planner: chunk index {i} outside [0, {W})")
+    c = chunk_size(n, W)
+    start = min(n, i * c)
+    return start, min(n, start + c) - start
+
+
+def chunk_size(numel: int, world_size: int) -> int:
+    """Elements per ``two_phase`` chunk: ``ceil(numel / W)`` (0 for an empty bucket)."""
+    return -(-int(numel) // int(world_size))
+
+
+def two_phase_slots(codec, numel: int, dtype: Any, world_size: int) -> Tuple[int, int]:
+    """Slot sizes of the ``two_phase`` scheme in bytes: ``(P1, P2)`` = (``packet_bytes(c,
+    dtype)``, the all-to-all slot of a chunk in the bucket dtype; ``packet_bytes(c, "float32")``,
+    the all-gather slot of a chunk re-encoded from the float32 sum), c = :func:`chunk_size`."""
+    c = chunk_size(numel, world_size)
+    return int(codec.packet_bytes(c, dtype)), int(codec.packet_bytes(c, "float32"))
+
+
 def payload_bytes(codec, numel: int, dtype: Any) -> int:
     """Bytes of a linear codec's summable payload for ``numel`` elements of ``dtype``:
     ``count * dtype_bytes(wire dtype)`` from ``codec.payload(numel, dtype)`` (the header does not
@@ -90,9 +131,11 @@ def bucket_bytes(scheme: str, codec, numel: int, dtype: Any, world_size: int) ->
     Returns ``{"dense_bytes", "packet_bytes", "sent_bytes", "ring_bytes"}``:
       - ``dense_bytes`` (int): the bucket in its dtype, ``numel * element size``;
       - ``packet_bytes`` (int): this rank's packet, ``codec.packet_bytes(numel, dtype)``; for
-        ``dense`` the bucket itself (= dense_bytes);
+        ``dense`` the bucket itself (= dense_bytes); for ``two_phase`` the W slots the bucket is
+        encoded into, ``W * P1`` (:func:`two_phase_slots`);
       - ``sent_bytes`` (float): bytes one rank sends: dense ``ring_allreduce_bytes(dense_bytes)``,
-        sum ``ring_allreduce_bytes(payload_bytes)``, gather ``all_gather_bytes(packet_bytes)``;
+        sum ``ring_allreduce_bytes(payload_bytes)``, gather ``all_gather_bytes(packet_bytes)``,
+        two_phase ``(W-1) * P1 + (W-1) * P2`` (all-to-all, then ring all-gather);
       - ``ring_bytes`` (float): ``ring_allreduce_bytes(dense_bytes)``, the dense reference.
 
     Raises:
@@ -104,6 +147,11 @@ def bucket_bytes(scheme: str, codec, numel: int, dtype: Any, world_size: int) ->
         return {"dense_bytes": dense, "packet_bytes": dense, "sent_bytes": ring, "ring_bytes": ring}
     if scheme not in SCHEMES:
         raise ValueError(f"planner: scheme={scheme!r}; accepted: {', '.join(SCHEMES)}")
+    if scheme == "two_phase":
+        p1, p2 = two_phase_slots(codec, numel, dtype, world_size)
+        W = int(world_size)
+        return {"dense_bytes": dense, "packet_bytes": W * p1,
+                "sent_bytes": float(all_gather_bytes(p1, W) + all_gather_bytes(p2, W)), "ring_bytes": ring}
     packet = int(codec.packet_bytes(numel, dtype))
     if scheme == "sum":
         sent = ring_allreduce_bytes(payload_bytes(codec, numel, dtype), world_size)
@@ -120,9 +168,13 @@ def choose_scheme(codec, numel: int, dtype: Any, world_size: int, requested: str
       1. ``"dense"`` when ``numel == 0`` or ``numel < min_compress_numel``;
       2. ``requested`` when it is not ``"auto"``;
       3. ``"sum"`` for a linear codec (``codec.properties["linear"]``);
-      4. ``"gather"`` when it sends fewer bytes than a dense ring allreduce, approximated as
-         ``W * packet_bytes < 2 * dense_bytes`` (i.e. (W-1) P vs 2 (W-1)/W D, both scaled by
-         W/(W-1)); else ``"dense"``.
+      4. for a sparse codec (``codec.properties["sparse"]``, top-k): ``"gather"`` when it sends
+         fewer bytes than a dense ring allreduce, approximated as ``W * packet_bytes < 2 *
+         dense_bytes`` (i.e. (W-1) P vs 2 (W-1)/W D, both scaled by W/(W-1)); else ``"dense"``;
+      5. for the other codecs (the quantizers): ``"two_phase"`` when it sends fewer bytes than a
+         dense ring allreduce, (W-1) (P1 + P2) < 2 (W-1)/W D, evaluated in integers as
+         ``W * (P1 + P2) < 2 * dense_bytes`` (:func:`two_phase_slots`; with P1 = P2 = P:
+         W P < D), which never holds for W = 1; else ``"dense"``.
     Inputs are all rank-shared, so every rank chooses alike.
 
     Raises:
@@ -136,8 +188,13 @@ def choose_scheme(codec, numel: int, dtype: Any, world_size: int, requested: str
         return requested
     if codec.properties["linear"]:
         return "sum"
-    packet = codec.packet_bytes(numel, dtype)
-    return "gather" if int(world_size) * packet < 2 * dense_bytes(numel, dtype) else "dense"
+    W, dense = int(world_size), dense_bytes(numel, dtype)
+    if codec.properties.get("sparse", False):
+        return "gather" if W * int(codec.packet_bytes(numel, dtype)) < 2 * dense else "dense"
+    if W < 2:  # (W-1) (P1 + P2) < 0 never holds
+        return "dense"
+    p1, p2 = two_phase_slots(codec, numel, dtype, W)
+    return "two_phase" if W * (p1 + p2) < 2 * dense else "dense"
 
 
 def summarize(totals: Mapping[str, float]) -> Dict[str, float]:

@@ -10,10 +10,15 @@ on every rank):
   allreduce of the packet's payload view ``codec.payload(numel, dtype)``, decode into ``tensor``.
 - :func:`gather`: any codec; encode with ``divisor=W``, all-gather the fixed-size packets, decode
   all W in rank order into one float32 accumulator zeroed first, round once into ``tensor``.
+- :func:`two_phase`: any codec; cut ``tensor`` into W chunks, encode each (``divisor=W``), one
+  all-to-all so rank r gets every rank's packet of chunk r, decode them in rank order into a
+  float32 sum, re-encode it with the ``"server"`` residual, all-gather, decode (DeepSpeed 1-bit
+  Adam's compressed allreduce, Tang et al. 2021; ZeRO++ qgZ, Wang et al. 2023).
 
 World size 1 returns ``tensor`` unchanged. ``ctx`` is a :class:`SchemeContext` (codec, group,
 world size, per-layout buffers); ``slots`` maps slot names to flat float32 tensors of
-``tensor.numel()`` elements (today ``"residual"``, the worker error-feedback residual); ``probe``
+``tensor.numel()`` elements (``"residual"``, the worker error-feedback residual) and, for
+two_phase, ``"server"`` (float32, the count of this rank's chunk); ``probe``
 times the phases and sees each decode workspace (:class:`NullProbe` when None). Schemes never see
 the state of the hook or compressor that calls them.
 
@@ -23,8 +28,9 @@ Byte formulas for each scheme live in :mod:`gradcomp.planner`.
 from .allgather import gather
 from .allreduce import dense, sum  # noqa: A004 - the scheme is called sum
 from .context import NullProbe, SchemeContext
+from .two_phase import two_phase
 
-SCHEMES = {"dense": dense, "sum": sum, "gather": gather}
+SCHEMES = {"dense": dense, "sum": sum, "gather": gather, "two_phase": two_phase}
 """Scheme name -> function; the names of :data:`gradcomp.planner.SCHEMES`."""
 
-__all__ = ["SCHEMES", "NullProbe", "SchemeContext", "dense", "gather", "sum"]
+__all__ = ["SCHEMES", "NullProbe", "SchemeContext", "dense", "gather", "sum", "two_phase"]

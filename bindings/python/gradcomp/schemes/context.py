@@ -5,10 +5,12 @@ one bucket layout) and a probe; never the hook or compressor state, so nothing h
 upwards (dependency direction: torch -> schemes -> planner -> codec -> _C).
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
+from .. import planner
 from ..codec import Codec, aligned_empty
 
 
@@ -19,12 +21,22 @@ class SchemeContext:
         codec: the :class:`gradcomp.Codec` that encodes (its workspace is the caller thread's).
         group: the ``torch.distributed`` process group (None: the default group).
         world_size: W, the group's size.
-        packet: uint8, ``codec.packet_bytes(numel, dtype)`` bytes, 16-byte aligned, on the
-            layout's device (sum, gather); None for dense.
-        gathered: uint8, W packets back to back, rank r at ``[r * P, (r + 1) * P)`` (gather).
-        acc: float32, numel elements: the gather scheme's accumulator.
+        packet: uint8, 16-byte aligned, on the layout's device: ``codec.packet_bytes(numel,
+            dtype)`` bytes (sum, gather); for two_phase the W all-to-all slots of P1 bytes, chunk
+            j's packet at ``[j * P1, j * P1 + packet_bytes(count_j, dtype))``, the rest of each
+            slot zero (zeroed once here; encodes write only their packet); None for dense.
+        gathered: uint8, W packets back to back, rank r at ``[r * P, (r + 1) * P)`` (gather);
+            for two_phase the W all-gather slots of P2 bytes (rank r's re-encoded chunk r).
+        acc: float32: the gather scheme's accumulator (numel elements); two_phase's sum of this
+            rank's chunk (``chunk_size`` elements; the chunk's count are used).
         dec_codec: a second Codec of the same spec with its own workspace, because decodes run in
-            future callbacks, possibly on another thread than the encodes (sum, gather).
+            future callbacks, possibly on another thread than the encodes (sum, gather, two_phase).
+        rank: this rank in ``group`` (two_phase: the chunk it sums), else None.
+        chunks: two_phase: ``[(start, count)]`` of the W chunks (:func:`gradcomp.planner.chunk`).
+        slot_bytes: two_phase: ``(P1, P2)`` (:func:`gradcomp.planner.two_phase_slots`).
+        received: two_phase: uint8, W * P1: slot j holds rank j's packet of chunk ``rank``.
+        server_packet: two_phase: uint8, P2 bytes, zeroed once: this rank's re-encoded chunk at
+            its start, zero after it (and all zero when its chunk is empty).
     """
 
     def __init__(self, codec: Codec, group: Any, world_size: int, packet: Optional[torch.Tensor] = None,
@@ -37,27 +49,54 @@ class SchemeContext:
         self.gathered = gathered
         self.acc = acc
         self.dec_codec = dec_codec
+        self.rank: Optional[int] = None
+        self.chunks: list = []
+        self.slot_bytes: Tuple[int, int] = (0, 0)
+        self.received: Optional[torch.Tensor] = None
+        self.server_packet: Optional[torch.Tensor] = None
 
     @classmethod
     def for_layout(cls, scheme: str, codec: Codec, numel: int, dtype: torch.dtype, device: torch.device,
-                   group: Any, world_size: int) -> "SchemeContext":
+                   group: Any, world_size: int, rank: Optional[int] = None) -> "SchemeContext":
         """Allocate what ``scheme`` needs for tensors of ``numel`` elements of ``dtype`` on
         ``device``: nothing for dense; the packet and the decode codec for sum; also the gathered
-        packets (W * packet bytes) and the float32 accumulator (numel) for gather.
+        packets (W * packet bytes) and the float32 accumulator (numel) for gather; for two_phase
+        the W * P1 send and receive slots, the P2 server packet, the W * P2 gathered slots and a
+        float32 accumulator of one chunk (``rank``: this rank in ``group``, default
+        ``dist.get_rank(group)``).
 
         Raises:
             ValueError: an unknown scheme.
         """
         if scheme == "dense":
             return cls(codec, group, world_size)
+        if scheme == "two_phase":
+            return cls._two_phase(codec, numel, dtype, device, group, world_size, rank)
         if scheme not in ("sum", "gather"):
-            raise ValueError(f"SchemeContext: scheme={scheme!r}; accepted: dense, sum, gather")
+            raise ValueError(f"SchemeContext: scheme={scheme!r}; accepted: dense, sum, gather, two_phase")
         pbytes = codec.packet_bytes(numel, dtype)
         packet = aligned_empty(torch.empty(0, device=device), pbytes)
         ctx = cls(codec, group, world_size, packet=packet, dec_codec=Codec(codec.spec))
         if scheme == "gather":
             ctx.gathered = aligned_empty(packet, pbytes * ctx.world_size)
             ctx.acc = torch.empty(numel, dtype=torch.float32, device=device)
+        return ctx
+
+    @classmethod
+    def _two_phase(cls, codec, numel, dtype, device, group, world_size, rank) -> "SchemeContext":
+        W = int(world_size)
+        like = torch.empty(0, device=device)
+        p1, p2 = planner.two_phase_slots(codec, numel, dtype, W)
+        ctx = cls(codec, group, W, packet=aligned_empty(like, W * p1), gathered=aligned_empty(like, W * p2),
+                  acc=torch.empty(planner.chunk_size(numel, W), dtype=torch.float32, device=device),
+                  dec_codec=Codec(codec.spec))
+        ctx.packet.zero_()
+        ctx.rank = int(dist.get_rank(group) if rank is None else rank)
+        ctx.chunks = [planner.chunk(numel, W, j) for j in range(W)]
+        ctx.slot_bytes = (p1, p2)
+        ctx.received = aligned_empty(like, W * p1)
+        ctx.server_packet = aligned_empty(like, p2)
+        ctx.server_packet.zero_()
         return ctx
 
 

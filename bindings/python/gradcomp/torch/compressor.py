@@ -40,7 +40,7 @@ CAST_CODECS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 PICKLE_VERSION = 1
 
-SCHEME_CHOICES = ("auto", "sum", "gather", "dense")
+SCHEME_CHOICES = ("auto", "sum", "gather", "two_phase", "dense")
 
 ParamMap = Sequence[Tuple[str, int, int]]
 
@@ -94,12 +94,20 @@ class Compressor:
             there is no default codec.
         scheme: ``"sum"`` (linear codecs: one SUM allreduce of the packet's payload; encode divides
             by W), ``"gather"`` (any codec: all-gather the fixed-size packets, decode all W in
-            rank order into one float32 accumulator, round once), ``"dense"`` (divide by W, SUM
-            allreduce, as PyTorch's allreduce_hook) or ``"auto"`` (:func:`gradcomp.planner.
-            choose_scheme`: sum for linear codecs; else gather when ``W * packet_bytes < 2 *
-            dense_bytes``, else dense). The choice uses only numel, dtype, W and codec properties.
+            rank order into one float32 accumulator, round once), ``"two_phase"`` (any codec: W
+            chunks, one all-to-all of their packets, each rank sums its chunk in float32 in rank
+            order and re-encodes it with its server residual, all-gather, decode; DeepSpeed 1-bit
+            Adam, Tang et al. 2021, and ZeRO++ qgZ, Wang et al. 2023: :mod:`gradcomp.schemes.
+            two_phase`), ``"dense"`` (divide by W, SUM allreduce, as PyTorch's allreduce_hook) or
+            ``"auto"`` (:func:`gradcomp.planner.choose_scheme`: sum for linear codecs; gather for
+            sparse ones (top-k) when ``W * packet_bytes < 2 * dense_bytes``; two_phase for the
+            others (the quantizers) when it sends fewer bytes than a dense ring allreduce; else
+            dense). The choice uses only numel, dtype, W and codec properties.
         error_feedback: keep a float32 residual per element (Karimireddy et al. 2019): encode sees
-            ``x' = g + r`` and leaves ``r = x' - W * decode(packet)``, in gradient units.
+            ``x' = g + r`` and leaves ``r = x' - W * decode(packet)``, in gradient units. Under
+            two_phase each rank also keeps a float32 server residual for its chunk of each layout
+            (in units of the average), folded into the worker residuals when the layout changes or
+            goes dense and saved with its layout in checkpoints (:mod:`gradcomp.torch.residuals`).
         group: the ``torch.distributed`` process group (None: the default group).
         min_compress_numel: tensors/buckets with fewer elements go dense (default 1024).
         nonfinite: ``"restore"`` (default; a second residual copy) or ``"reset"``: the residuals
@@ -126,6 +134,9 @@ class Compressor:
 
     16-bit tensors: the ``fp16`` and ``bf16`` codecs save nothing on a float16/bfloat16 tensor
     (one warning per codec and dtype; use ``"none"``, or a smaller codec).
+
+    Joined ranks (``joined=True``) send exact zeros and keep their worker residuals; under
+    two_phase they still sum and re-encode their chunk for the others, with its server residual.
 
     Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (per rank, bit-exact, checked
     against the rank, codec and error_feedback), or pickle the Compressor itself
@@ -335,26 +346,34 @@ class Compressor:
 
     def _compressed(self, rec: StepRecord, tensor, key, route: _Route, joined: bool):
         lay = route.layout
+        two_phase = route.scheme == "two_phase"
         if route.ctx is None:
             route.ctx = SchemeContext.for_layout(route.scheme, self.codec, lay.numel, lay.dtype, lay.device,
-                                                 self.group, self.world_size)
+                                                 self.group, self.world_size, rank=self.rank)
         if self.error_feedback:
-            self.store.activate(lay)
+            server = None
+            if two_phase:  # this rank's chunk: its server residual (ResidualStore docstring)
+                start, count = planner.chunk(lay.numel, self.world_size, self.rank)
+                server = (start, count, self.world_size)
+            self.store.activate(lay, server=server)
         b = self._bucket(key, tensor, route.scheme)
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
-        use_ef = self.error_feedback and not joined
-        if use_ef:
-            self.store.snapshot(lay)
-        if joined:  # joined ranks send exact zeros and keep their residuals
+        # joined ranks send exact zeros and keep their worker residuals; under two_phase they
+        # still sum their chunk for the others, with its server residual
+        names = None if not joined else (("server",) if two_phase else ())
+        slots = self.store.slots(lay, names) if self.error_feedback and names != () else None
+        if slots:
+            self.store.snapshot(lay, names)
+        if joined:
             tensor.zero_()
-        fut = SCHEMES[route.scheme](tensor, route.ctx, self.store.slots(lay) if use_ef else None, probe=probe)
+        fut = SCHEMES[route.scheme](tensor, route.ctx, slots, probe=probe)
         self._stats.account(rec, b)
 
         def done(f):
             f.value()  # re-raises an error of the collective or the decode
             nf = torch.isfinite(tensor).logical_not().any()
-            if use_ef:
-                self.store.settle(lay, nf)
+            if slots:
+                self.store.settle(lay, nf, names)
             self._stats.mark_nonfinite(rec, nf)
             return tensor
 
@@ -368,7 +387,8 @@ class Compressor:
 
     # -- introspection -------------------------------------------------------------------------
     def scheme_of(self, name: str) -> str:
-        """The scheme ``allreduce(..., name)`` uses: ``"sum"``, ``"gather"`` or ``"dense"``.
+        """The scheme ``allreduce(..., name)`` uses: ``"sum"``, ``"gather"``, ``"two_phase"`` or
+        ``"dense"``.
 
         Raises:
             KeyError: ``name`` has not been reduced yet.
@@ -387,8 +407,22 @@ class Compressor:
         return [{key[0]: key[1], "numel": r.layout.numel, "dtype": str(r.layout.dtype).replace("torch.", ""),
                  "scheme": r.scheme, "params": list(r.layout.params)} for key, r in self._routes.items()]
 
+    def server_residuals(self) -> List[dict]:
+        """The server residuals of the two_phase layouts (this rank's chunk of each):
+        ``[{"index" (bucket) or "name" (tensor), "start", "count" (elements of the flat tensor),
+        "world_size", "residual": float32 1-D copy of count elements}]``, in layout order;
+        empty without two_phase or error feedback. Checkpoint loads not yet placed in a layout
+        are not listed (they are in ``state_dict()["server_residuals"]``)."""
+        self._load_restored(strict=True)
+        out = []
+        for lay, t in self.store.server_slots():
+            start, count, world = lay.chunk
+            out.append({lay.key[0]: lay.key[1], "start": start, "count": count, "world_size": world,
+                        "residual": t.detach().clone()})
+        return out
+
     def residual(self, name: str) -> torch.Tensor:
-        """A float32 copy of ``name``'s residual: 1-D, numel elements (zeros when it has none).
+        """A float32 copy of ``name``'s (worker) residual: 1-D, numel elements (zeros when it has none).
 
         Raises:
             KeyError: ``name`` was never reduced nor loaded.
@@ -415,8 +449,9 @@ class Compressor:
         Returns ``{"steps", "world_size", "codec", "nonfinite_steps", "step", "total", "buckets"}``:
         ``step`` (the most recent step) and ``total`` (all steps) hold ``numel``, ``dense_bytes``
         (bytes in the tensors' dtype), ``packet_bytes`` (this rank's packets; the tensor itself
-        when dense), ``sent_bytes`` (bytes one rank sends: sum 2(W-1)/W * payload bytes, gather
-        (W-1) * packet bytes, dense 2(W-1)/W * dense bytes), ``ring_bytes`` (2(W-1)/W * dense
+        when dense; under two_phase its W chunk slots, W * P1), ``sent_bytes`` (bytes one rank
+        sends: sum 2(W-1)/W * payload bytes, gather (W-1) * packet bytes, two_phase (W-1) * (P1 +
+        P2), dense 2(W-1)/W * dense bytes), ``ring_bytes`` (2(W-1)/W * dense
         bytes), ``packet_ratio`` = packet/dense, ``wire_ratio`` = sent/ring, ``bits_per_element``
         = 8 * packet bytes / numel (:mod:`gradcomp.planner`), seconds ``encode_s``, ``decode_s``,
         ``comm_s`` (launch to completion as seen by the callback; CUDA: events read one step
@@ -492,8 +527,10 @@ class Compressor:
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Per-rank state: ``{"version", "codec", "world_size", "rank", "iter", "error_feedback",
-        "grad_scale", "residuals": {name: float32 1-D tensor}}``; only names that hold a residual
-        appear; ``grad_scale`` (float) is the loss scale the residuals are in (1.0 without
+        "grad_scale", "residuals": {name: float32 1-D tensor}, "server_residuals": [...]}``; only
+        names that hold a residual appear; ``server_residuals`` lists the two_phase server
+        residuals with their layouts (:meth:`gradcomp.torch.residuals.ResidualStore.server_state`:
+        key, numel, dtype, parameter map, chunk, world size, float32 tensor); ``grad_scale`` (float) is the loss scale the residuals are in (1.0 without
         :meth:`attach_grad_scaler`; reading it is a host read of a device scalar, so do not
         call this inside a hook). Residuals differ per rank: save one file per rank.
 
@@ -505,7 +542,7 @@ class Compressor:
         return {"version": 1, "codec": self.codec.spec, "world_size": self.world_size, "rank": self.rank,
                 "iter": self.iter, "error_feedback": self.error_feedback,
                 "grad_scale": 1.0 if self._unit is None else float(self._unit),
-                "residuals": self.store.state()}
+                "residuals": self.store.state(), "server_residuals": self.store.server_state()}
 
     def mismatches(self, sd: dict) -> List[str]:
         """What in the ``state_dict()`` ``sd`` does not fit this compressor: ``["rank: saved 0,
@@ -527,9 +564,12 @@ class Compressor:
 
     def load_state_dict(self, sd: dict, strict: bool = True) -> None:
         """Load a ``state_dict()`` of the same rank, bit-exact, with its step count and loss
-        scale. With another world size the residuals are dropped (a warning). A residual lands
-        where its name lives, or waits (on the device it was loaded to) for the first reduction
-        of that name.
+        scale. With another world size the residuals are dropped (a warning), server residuals
+        included. A residual lands where its name lives, or waits (on the device it was loaded
+        to) for the first reduction of that name. Server residuals (two_phase) replace the
+        current ones: restored bit-exact into a layout that matches the saved one (key, numel,
+        dtype, parameter map, chunk), else folded into their parameters' residuals (W * server
+        added to the worker residual of the same elements; :mod:`gradcomp.torch.residuals`).
 
         Args:
             sd: a ``state_dict()``.
@@ -539,7 +579,8 @@ class Compressor:
 
         Raises:
             ValueError: (strict) a mismatch as above; a residual whose numel differs from its
-                name's tensor. Nothing is loaded then.
+                name's tensor; a server residual whose numel is not its chunk's count. Nothing is
+                loaded then.
         """
         self._restored = None
         problems = self.mismatches(sd)
@@ -549,10 +590,16 @@ class Compressor:
                 raise ValueError(msg + ". Pass strict=False to load it anyway.")
             self._warn(f"gradcomp: {msg} (strict=False: loaded anyway)")
         res = sd.get("residuals", {})
-        if int(sd.get("world_size", self.world_size)) != self.world_size:
+        servers = sd.get("server_residuals", [])
+        same_world = int(sd.get("world_size", self.world_size)) == self.world_size
+        if not same_world:
             self._warn(f"gradcomp: checkpoint from world size {sd.get('world_size')} loaded at world size "
-                       f"{self.world_size}: residuals dropped")
-            res = {}
+                       f"{self.world_size}: residuals dropped" + (" (server residuals too)" if servers else ""))
+            res, servers = {}, []
+        for e in servers:
+            if e["residual"].numel() != int(e["count"]):
+                raise ValueError(f"load_state_dict: server residual of {_label(tuple(e['key']))} has "
+                                 f"{e['residual'].numel()} elements, its chunk has {int(e['count'])}")
         flat = {}
         for name, t in res.items():
             t = t.detach().to(dtype=torch.float32).reshape(-1)
@@ -567,6 +614,8 @@ class Compressor:
         for name, t in flat.items():
             self.store.load(name, t)
             self._names.setdefault(name, (t.numel(), t.device))
+        if same_world:
+            self.store.load_server(servers)
 
     def _warn(self, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)

@@ -88,11 +88,15 @@ class CompressionState:
         scheme: ``"sum"`` (linear codecs: one SUM allreduce of the packet's payload; encode divides
             by W), ``"gather"`` (any codec: all-gather the fixed-size packets; every rank decodes all
             W packets in rank order into one float32 accumulator, then rounds once into the bucket),
-            ``"dense"`` (plain allreduce of the bucket divided by W, like PyTorch's allreduce_hook)
-            or ``"auto"``: ``sum`` for linear codecs; for others ``gather`` when it sends fewer
-            bytes than a dense ring allreduce (``W * packet_bytes < 2 * dense_bytes``), else dense.
-            The choice uses only numel, dtype, W and codec properties, so every rank agrees
-            (:func:`gradcomp.planner.choose_scheme`).
+            ``"two_phase"`` (any codec: the bucket cut into W chunks, one all-to-all of their
+            packets, each rank sums its chunk in float32 in rank order and re-encodes it with its
+            server residual, one all-gather, decode: DeepSpeed 1-bit Adam's compressed allreduce,
+            Tang et al. 2021, and ZeRO++ qgZ, Wang et al. 2023), ``"dense"`` (plain allreduce of
+            the bucket divided by W, like PyTorch's allreduce_hook) or ``"auto"``: ``sum`` for
+            linear codecs; ``gather`` for sparse ones (top-k) when it sends fewer bytes than a
+            dense ring allreduce (``W * packet_bytes < 2 * dense_bytes``); ``two_phase`` for the
+            others (the quantizers) when it does; else dense. The choice uses only numel, dtype,
+            W and codec properties, so every rank agrees (:func:`gradcomp.planner.choose_scheme`).
         start_iter: synchronized steps (hook calls on the last bucket) sent dense before
             compression starts (default 0). Buckets are rebuilt by DDP after the first step; the
             residuals follow the parameters into the new layout, so 0 is safe.
@@ -103,6 +107,14 @@ class CompressionState:
         log_every: log a stats line through ``logging.getLogger("gradcomp")`` at INFO every N
             steps (0: never); when logging is not configured a stderr handler is attached to that
             logger once (see :class:`gradcomp.torch.Compressor`).
+
+    Server residuals (two_phase): each rank keeps a float32 residual for its chunk of each
+    bucket layout (``state.compressor.server_residuals()``). Chunk boundaries are bucket offsets,
+    so when DDP rebuilds a bucket, or a bucket goes dense, W * server residual is added to this
+    rank's worker residual of the same elements (their parameters') and the new layout's server
+    residual starts at zero: nothing is lost, the next encode sends it. Checkpoints save it with
+    its layout: restored bit-exact into the same layout, folded the same way into another;
+    dropped with the other residuals at another world size (:mod:`gradcomp.torch.residuals`).
 
     Averaging: the ``gather`` scheme encodes with ``divisor=W`` (so the packets carry
     ``fl(x'/W)``) and decodes with ``alpha=1``: the bucket receives ``round(sum_r fl(x'_r / W))``,
@@ -252,7 +264,9 @@ class CompressionState:
             # residuals checked against the model, onto their parameters' devices
             params = dict(ddp_model.module.named_parameters())
             self.compressor._restored = dict(pending, residuals=self._check_residuals(pending.get("residuals", {}),
-                                                                                       params))
+                                                                                       params),
+                                             server_residuals=self._check_server(
+                                                 pending.get("server_residuals", []), params))
         if process_group is None and self._group_given:
             log.warning("gradcomp: the state was built on an explicit process group, which is not saved; "
                         "bind(ddp_model, process_group=...) sets it, now the DDP model's group")
@@ -260,6 +274,21 @@ class CompressionState:
         self.compressor.set_process_group(group, strict=strict)
         self._bind_model(ddp_model)
         return self
+
+    @staticmethod
+    def _check_server(entries: list, params: dict) -> list:
+        """Saved server residuals against the model's parameters: each entry's parameter names must
+        be the model's (KeyError otherwise, as :meth:`_check_residuals`), its tensor moves to the
+        device of its first parameter."""
+        out = []
+        for e in entries:
+            names = [k for k, _, _ in e["params"]]
+            for k in names:
+                if k not in params:
+                    raise KeyError(f"load_state_dict: server residual names no parameter {k!r} of this model")
+            dev = params[names[0]].device if names else e["residual"].device
+            out.append(dict(e, residual=e["residual"].detach().to(device=dev, dtype=torch.float32).reshape(-1)))
+        return out
 
     @staticmethod
     def _check_residuals(res: dict, params: dict) -> dict:
@@ -373,7 +402,9 @@ class CompressionState:
     def state_dict(self) -> dict:
         """Per-rank state: ``{"version", "codec", "world_size", "rank", "iter", "error_feedback",
         "grad_scale", "residuals": {param name: float32 1-D tensor (numel, gradient memory
-        order)}}``; only parameters that hold a residual appear. Residuals differ per rank: save
+        order)}, "server_residuals": [two_phase server residuals with their bucket layouts, see
+        :meth:`gradcomp.torch.Compressor.state_dict`]}``; only parameters that hold a residual
+        appear. Residuals differ per rank: save
         one file per rank (``rank`` is checked on load). An unbound state (unpickled, see
         :meth:`bind`) returns the checkpoint it holds."""
         if not self._bound and self.compressor._restored is not None:
@@ -396,13 +427,15 @@ class CompressionState:
 
         Raises:
             ValueError: (strict) a mismatch as above; a residual of the wrong numel.
-            KeyError: a residual naming no parameter of the model.
+            KeyError: a residual (or a server residual's parameter map) naming no parameter of
+                the model.
             RuntimeError: the state is not bound to a model (see :meth:`bind`).
             Nothing is loaded when it raises.
         """
         self._need_model("load_state_dict")
         if int(sd.get("world_size", self.world_size)) == self.world_size:
-            sd = dict(sd, residuals=self._check_residuals(sd.get("residuals", {}), self._params_by_name))
+            sd = dict(sd, residuals=self._check_residuals(sd.get("residuals", {}), self._params_by_name),
+                      server_residuals=self._check_server(sd.get("server_residuals", []), self._params_by_name))
         self.compressor.load_state_dict(sd, strict=strict)
 
     def _need_model(self, what: str) -> None:

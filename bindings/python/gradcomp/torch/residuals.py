@@ -20,7 +20,40 @@ A :class:`ResidualStore` holds:
   (the Compressor decides, one step late);
 - restore/reset after a non-finite step, on the device with no host synchronization;
 - rescaling by a device scalar (a loss scale that changed, :meth:`ResidualStore.scale_`);
-- state as ``{key: float32 1-D tensor}`` for checkpoints.
+- state as ``{key: float32 1-D tensor}`` for checkpoints;
+- server residuals of the ``two_phase`` scheme (below).
+
+Server residuals (``two_phase``; DeepSpeed's ``server_error``, Tang et al. 2021). A two_phase
+layout also owns a float32 slot ``"server"`` covering this rank's chunk of the bucket,
+``(start, count)`` = :func:`gradcomp.planner.chunk` (numel, W, rank), in units of the average
+(what this rank's second encode of the chunk's sum did not send). It is not a parameter's: its
+chunk follows bucket offsets, and every other rank holds the server residual of another chunk.
+What the ranks owe the average per element e is sum_r worker_r[e] / W + server[e] (the server
+term held by e's chunk owner), so a server residual is never dropped while the layout changes;
+it is *folded*: ``worker[start:start + count] = fl(worker + fl(W * server))`` on this rank (the
+elements' own parameters' residuals), then the server slot is zeroed. The next encode of those
+elements sends fl(x' / W), which carries the folded W * server / W = server. Folding happens:
+
+- (a) bucket rebuild: a new layout at the same key replaces the old (:meth:`ResidualStore.layout`),
+  or a layout gives up a parameter to another layout (:meth:`ResidualStore.activate`): the old
+  layout is folded before its residuals move, and the new layout's server slot starts at zero;
+- (b) dense steps: a layout whose parameters go dense (:meth:`ResidualStore.flush`, warm-up or a
+  dense call) is folded first, so the flushed residual carries the server term into the dense
+  allreduce (each rank adds W * server to its chunk; the dense path divides by W);
+- a layout whose chunk changes (another rank in a group of the same size) is folded the same way.
+
+(c) Another world size on load drops every residual, server residuals included (a warning, the
+Compressor's). (d) Checkpoints: :meth:`ResidualStore.server_state` saves each server slot with
+its layout (key, numel, dtype, parameter map, chunk, world size); :meth:`ResidualStore.load_server`
+puts it back bit-exact into a layout that matches all of them; a saved slot whose layout is not
+the current one at that key while its parameters live in other active layouts is folded into their
+residuals at once (by the saved parameter map), and one whose key has no layout yet waits,
+pending, for the first activation: restored when that layout matches, folded otherwise (and
+when a flush or another layout takes its parameters first). Pending server residuals are saved
+again, and rescaled with the others.
+
+Non-finite steps restore (or zero) the server slot with the worker residual: both are slots of
+the layout (:meth:`ResidualStore.snapshot`, :meth:`ResidualStore.settle`).
 
 All tensors are float32 whatever the bucket dtype. The store never communicates and never reads
 device values on the host.
@@ -44,9 +77,14 @@ class Layout:
         signature: ``(numel, dtype, device, params)``; a layout is reused while it is unchanged.
         numel, dtype, device: of the flat bucket (the residual is float32 whatever ``dtype``).
         params: ``[(param key, offset, length)]`` in bucket order, in elements.
-        slots: slot name -> float32 tensor of ``numel`` elements, allocated by
-            :meth:`ResidualStore.activate` (``"residual"``).
+        slots: slot name -> float32 tensor, allocated by :meth:`ResidualStore.activate`:
+            ``"residual"`` (``numel`` elements) and, for two_phase, ``"server"`` (``chunk``'s
+            count).
         backups: slot name -> float32 copy taken before a step (``nonfinite="restore"`` only).
+        chunk: ``(start, count, world_size)`` of the ``"server"`` slot (two_phase), else None.
+        homed: every parameter of the map has its home in this layout.
+        server_live: the ``"server"`` slot may hold mass (it was handed to a scheme or loaded
+            since its last fold), so a fold adds it exactly once.
     """
 
     def __init__(self, key, numel: int, dtype: torch.dtype, device: torch.device, params: ParamMap):
@@ -58,6 +96,9 @@ class Layout:
         self.signature = (self.numel, dtype, str(device), tuple(self.params))
         self.slots: Dict[str, torch.Tensor] = {}
         self.backups: Dict[str, torch.Tensor] = {}
+        self.chunk: Optional[Tuple[int, int, int]] = None
+        self.homed = False
+        self.server_live = False
 
     @property
     def residual(self) -> Optional[torch.Tensor]:
@@ -86,6 +127,7 @@ class ResidualStore:
         self._layouts: Dict[object, Layout] = {}
         self._slice: Dict[str, Tuple[Layout, int, int]] = {}  # key -> (layout, offset, length)
         self._pending: Dict[str, torch.Tensor] = {}  # key -> float32 tensor (no layout holds it)
+        self._pending_server: List[dict] = []  # loaded server slots waiting for their layout
 
     # -- layouts -------------------------------------------------------------------------------
     def layout(self, key, numel: int, dtype: torch.dtype, device: torch.device, params: ParamMap) -> Layout:
@@ -95,6 +137,8 @@ class ResidualStore:
         old = self._layouts.get(key)
         if old is not None and old.signature == lay.signature:
             return old
+        if old is not None:
+            self._fold(old)
         self._layouts[key] = lay
         return lay
 
@@ -102,40 +146,73 @@ class ResidualStore:
         """The current layouts, one per key, in key insertion order."""
         return list(self._layouts.values())
 
-    def activate(self, lay: Layout) -> None:
+    def activate(self, lay: Layout, server: Optional[Tuple[int, int, int]] = None) -> None:
         """Allocate the layout's slots (zeros; plus backups under ``"restore"``) and move every
-        parameter of its map home: a residual held elsewhere (an older layout or pending) is
-        copied into its slice once and released there. No-op when already active."""
-        if lay.residual is not None:
+        parameter of its map home: a residual held elsewhere (an older layout, folded first, or
+        pending) is copied into its slice once and released there. ``server`` = ``(start,
+        count, world_size)`` gives the layout a ``"server"`` slot of ``count`` elements (two_phase;
+        a layout whose chunk changes is folded first); a loaded server residual of this layout is
+        restored into it, other loaded ones naming its parameters are folded into their
+        residuals first (module docstring). Cheap when nothing changed."""
+        if lay.residual is None:
+            for name in self.slot_names:
+                lay.slots[name] = torch.zeros(lay.numel, dtype=torch.float32, device=lay.device)
+            if self.nonfinite == "restore":
+                for name, t in lay.slots.items():
+                    lay.backups[name] = torch.empty_like(t)
+        if server is not None:
+            server = (int(server[0]), int(server[1]), int(server[2]))
+        if lay.chunk != server:
+            self._fold(lay)
+            lay.slots.pop("server", None)
+            lay.backups.pop("server", None)
+            lay.chunk = server
+            lay.server_live = False
+            if server is not None:
+                lay.slots["server"] = torch.zeros(server[1], dtype=torch.float32, device=lay.device)
+                if self.nonfinite == "restore":
+                    lay.backups["server"] = torch.empty_like(lay.slots["server"])
+        if lay.homed:
             return
-        for name in self.slot_names:
-            lay.slots[name] = torch.zeros(lay.numel, dtype=torch.float32, device=lay.device)
+        self._resolve_pending_server(lay)
         res = lay.residual
         for key, off, n in lay.params:
+            home = self._slice.get(key)
+            if home is not None and home[0] is lay and home[1] == off:
+                continue
+            if home is not None:
+                self._fold(home[0])
             src = self._tensor(key)
             if src is not None:
                 res[off: off + n].copy_(src)
                 self._release(key)
             self._slice[key] = (lay, off, n)
-        if self.nonfinite == "restore":
-            for name, t in lay.slots.items():
-                lay.backups[name] = torch.empty_like(t)
+        lay.homed = True
 
     # -- a step --------------------------------------------------------------------------------
-    def slots(self, lay: Layout) -> Dict[str, torch.Tensor]:
-        """The layout's slots as a scheme takes them (``{"residual": flat float32}``)."""
-        return dict(lay.slots)
+    def slots(self, lay: Layout, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """The layout's slots as a scheme takes them (``{"residual": flat float32}``, plus
+        ``"server"`` for two_phase), or only those of ``names`` that it has."""
+        out = {k: t for k, t in lay.slots.items() if names is None or k in names}
+        if "server" in out:
+            lay.server_live = True
+        return out
 
-    def snapshot(self, lay: Layout) -> None:
-        """Before a step (``"restore"``): copy every slot into its backup (on the device)."""
+    def snapshot(self, lay: Layout, names: Optional[Sequence[str]] = None) -> None:
+        """Before a step (``"restore"``): copy every slot (or those of ``names``) into its backup
+        (on the device)."""
         for name, b in lay.backups.items():
-            b.copy_(lay.slots[name])
+            if names is None or name in names:
+                b.copy_(lay.slots[name])
 
-    def settle(self, lay: Layout, nonfinite: torch.Tensor) -> None:
+    def settle(self, lay: Layout, nonfinite: torch.Tensor, names: Optional[Sequence[str]] = None) -> None:
         """After a step, with ``nonfinite`` a 0-dim device bool (the averaged result held a
         non-finite value): put the backups back (``"restore"``) or zero the slots (``"reset"``)
-        where it is set, on the device, without a host synchronization."""
+        where it is set -- worker and server residuals alike, or the slots of ``names`` -- on the
+        device, without a host synchronization."""
         for name, t in lay.slots.items():
+            if names is not None and name not in names:
+                continue
             if self.nonfinite == "restore":
                 torch.where(nonfinite, lay.backups[name], t, out=t)
             else:
@@ -145,9 +222,20 @@ class ResidualStore:
         """Parameters of ``lay`` going dense: add each one's residual (rounded to ``flat``'s dtype)
         to its slice of the flat bucket ``flat`` and forget it (a layout slice is zeroed).
 
+        A two_phase layout is folded first (its server residual joins its parameters' residuals,
+        module docstring (b)), and so are loaded server residuals naming its parameters.
+
         Returns ``[(key, saved)]`` for every flushed parameter, ``saved`` being a float32 copy of
         the residual under ``"restore"`` (else None), for :meth:`keep_flushed`.
         """
+        self._fold(lay)
+        names = {k for k, _, _ in lay.params}
+        for k, _, _ in lay.params:
+            home = self._slice.get(k)
+            if home is not None and home[0] is not lay:
+                self._fold(home[0])
+        self._fold_pending_server(names)
+        lay.homed = False
         flushed = []
         for key, off, cnt in lay.params:
             src = self._tensor(key)
@@ -190,6 +278,104 @@ class ResidualStore:
                 t.mul_(f)
         for t in self._pending.values():
             t.mul_(factor.to(t.device, non_blocking=True))
+        for e in self._pending_server:
+            t = e["residual"]
+            t.mul_(factor.to(t.device, non_blocking=True))
+
+    # -- server residuals (two_phase) ----------------------------------------------------------
+    def server_state(self) -> List[dict]:
+        """The server residuals, for checkpoints: one dict per current layout holding a
+        ``"server"`` slot, then the pending (loaded, not yet placed) ones: ``{"key" (the layout
+        key, e.g. ("index", 3)), "numel", "dtype" (str), "params" [(name, offset, length)],
+        "start", "count", "world_size", "residual" (float32 1-D copy, count elements)}``."""
+        out = []
+        for lay, t in self.server_slots():
+            start, count, world = lay.chunk
+            out.append({"key": lay.key, "numel": lay.numel, "dtype": _dtype_str(lay.dtype),
+                        "params": list(lay.params), "start": start, "count": count,
+                        "world_size": world, "residual": t.detach().clone()})
+        for e in self._pending_server:
+            out.append(dict(e, params=list(e["params"]), residual=e["residual"].detach().clone()))
+        return out
+
+    def server_slots(self) -> List[Tuple[Layout, torch.Tensor]]:
+        """``[(layout, its "server" slot)]`` of the current layouts that have one (live views)."""
+        return [(lay, lay.slots["server"]) for lay in self._layouts.values() if "server" in lay.slots]
+
+    def load_server(self, entries: Sequence[dict]) -> None:
+        """Replace the server residuals by ``entries`` (:meth:`server_state` dicts, ``"residual"``
+        on the device it should live on): every current server slot is zeroed, then each entry
+        is restored bit-exact into the current layout at its key when that layout is active and
+        matches it (numel, dtype, parameter map, chunk and world size), folded into its
+        parameters' residuals when the layout differs and the parameters live in active layouts,
+        else kept pending for the first activation (module docstring (d)). Call it after the
+        worker residuals are loaded (a fold adds onto them)."""
+        for lay, t in self.server_slots():
+            t.zero_()
+            lay.server_live = False
+        self._pending_server = []
+        for e in entries:
+            e = dict(e, key=_key(e["key"]), params=[(str(k), int(o), int(n)) for k, o, n in e["params"]],
+                     start=int(e["start"]), count=int(e["count"]), world_size=int(e["world_size"]),
+                     residual=e["residual"].detach().to(torch.float32).reshape(-1).clone())
+            lay = self._layouts.get(e["key"])
+            if lay is not None and lay.homed and _matches(lay, e):
+                lay.slots["server"].copy_(e["residual"])
+                lay.server_live = True
+            elif any(k in self._slice and self._slice[k][0].homed for k, _, _ in e["params"]):
+                self._fold_entry(e)
+            else:
+                self._pending_server.append(e)
+
+    def _fold(self, lay: Layout) -> None:
+        """Fold ``lay``'s server slot into its worker residual: ``res[start:start + count] =
+        fl(res + fl(W * server))``, then zero it (no-op without one, or when it holds nothing
+        since its last fold: each server term is folded exactly once)."""
+        t = lay.slots.get("server")
+        if t is None or lay.residual is None or not lay.server_live:
+            return
+        start, count, world = lay.chunk
+        lay.residual[start: start + count].add_(t * float(world))
+        t.zero_()
+        lay.server_live = False
+
+    def _fold_entry(self, e: dict) -> None:
+        """Fold a saved server residual into the residuals of the parameters its map puts in its
+        chunk, by parameter name (a parameter with no residual gets a pending one)."""
+        start, count, world, src = e["start"], e["count"], e["world_size"], e["residual"]
+        for key, off, n in e["params"]:
+            lo, hi = max(off, start), min(off + n, start + count)
+            if lo >= hi:
+                continue
+            dst = self._tensor(key)
+            if dst is None:
+                dst = self._pending[key] = torch.zeros(n, dtype=torch.float32, device=src.device)
+            dst[lo - off: hi - off].add_(src[lo - start: hi - start].to(dst.device) * float(world))
+
+    def _fold_pending_server(self, names) -> None:
+        """Fold every pending server residual whose parameter map names one of ``names``."""
+        keep = []
+        for e in self._pending_server:
+            if any(k in names for k, _, _ in e["params"]):
+                self._fold_entry(e)
+            else:
+                keep.append(e)
+        self._pending_server = keep
+
+    def _resolve_pending_server(self, lay: Layout) -> None:
+        """Before ``lay``'s parameters move home: restore the pending server residual that
+        matches it; fold those at its key that do not and those naming its parameters."""
+        names = {k for k, _, _ in lay.params}
+        keep = []
+        for e in self._pending_server:
+            if e["key"] == lay.key and "server" in lay.slots and _matches(lay, e):
+                lay.slots["server"].copy_(e["residual"].to(lay.device))
+                lay.server_live = True
+            elif e["key"] == lay.key or any(k in names for k, _, _ in e["params"]):
+                self._fold_entry(e)
+            else:
+                keep.append(e)
+        self._pending_server = keep
 
     # -- per parameter -------------------------------------------------------------------------
     def residual(self, key: str) -> Optional[torch.Tensor]:
@@ -232,3 +418,20 @@ class ResidualStore:
             lay.residual[off: off + n].zero_()
         else:
             self._pending.pop(key, None)
+
+
+def _dtype_str(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _key(key):
+    """A layout key as saved (a tuple, or a list after some serializers) back to a tuple."""
+    return tuple(key) if isinstance(key, list) else key
+
+
+def _matches(lay: Layout, e: dict) -> bool:
+    """Whether the saved server residual ``e`` belongs to ``lay`` exactly: key, numel, dtype,
+    parameter map, chunk and world size (the device may differ)."""
+    return (e["key"] == lay.key and int(e["numel"]) == lay.numel and e["dtype"] == _dtype_str(lay.dtype)
+            and [tuple(p) for p in e["params"]] == list(lay.params)
+            and lay.chunk == (int(e["start"]), int(e["count"]), int(e["world_size"])))

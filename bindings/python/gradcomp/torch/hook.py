@@ -113,8 +113,10 @@ class CompressionState:
     so when DDP rebuilds a bucket, or a bucket goes dense, W * server residual is added to this
     rank's worker residual of the same elements (their parameters') and the new layout's server
     residual starts at zero: nothing is lost, the next encode sends it. Checkpoints save it with
-    its layout: restored bit-exact into the same layout, folded the same way into another;
-    dropped with the other residuals at another world size (:mod:`gradcomp.torch.residuals`).
+    its layout: restored bit-exact into the same layout, folded the same way into another (a new
+    DDP model's first step runs in DDP's initial buckets, so a checkpoint taken after a rebuild
+    that changed them is folded there); dropped with the other residuals at another world size
+    (:mod:`gradcomp.torch.residuals`).
 
     Averaging: the ``gather`` scheme encodes with ``divisor=W`` (so the packets carry
     ``fl(x'/W)``) and decodes with ``alpha=1``: the bucket receives ``round(sum_r fl(x'_r / W))``,

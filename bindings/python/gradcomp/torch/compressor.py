@@ -530,7 +530,8 @@ class Compressor:
         "grad_scale", "residuals": {name: float32 1-D tensor}, "server_residuals": [...]}``; only
         names that hold a residual appear; ``server_residuals`` lists the two_phase server
         residuals with their layouts (:meth:`gradcomp.torch.residuals.ResidualStore.server_state`:
-        key, numel, dtype, parameter map, chunk, world size, float32 tensor); ``grad_scale`` (float) is the loss scale the residuals are in (1.0 without
+        key, numel, dtype, parameter map, chunk, world size, float32 tensor); ``grad_scale``
+        (float) is the loss scale the residuals are in (1.0 without
         :meth:`attach_grad_scaler`; reading it is a host read of a device scalar, so do not
         call this inside a hook). Residuals differ per rank: save one file per rank.
 

@@ -28,21 +28,25 @@ inline constexpr uint32_t kFloatMinNormalBits = 0x00800000u; // 2^-126
 // ---- float8 ------------------------------------------------------------------------------------------
 //! float32 -> float8 with M mantissa bits and the given exponent bias, for a finite |v| given by
 //! its bits `a`: the magnitude code before the format's overflow rule (may exceed the largest
-//! code). Round to nearest even on the binary32 bits for the normal range; subnormals through an
-//! exact power-of-two scaling and the 2^23 rounding trick. Branch-free (both computed, one
-//! selected), so that the CPU loops vectorize.
+//! code). |v| is rounded to a multiple of the float8 quantum 2^(max(e, 1 - Bias) - M) (e its
+//! exponent) by adding and subtracting c = 2^(max(e, 1 - Bias) + 23 - M): the float32 addition
+//! rounds to nearest even, the subtraction is exact. Exponents above Bias + 2 all overflow, so c
+//! is capped there. The rounded value's bits give the code (normal range: drop 23 - M bits and
+//! rebias; subnormal range: the value over the smallest subnormal, an integer in [0, 2^M]).
+//! Branch-free, so that the CPU loops vectorize; identical to ml_dtypes' conversion for all 2^32
+//! inputs (checked once exhaustively against a bit-manipulation version; tests/cpp/test_quant.cpp
+//! checks it against a search over the codes).
 template <int M, int Bias> GRADCOMP_HD uint32_t fp8_magnitude(uint32_t a) {
-  constexpr uint32_t kMinNormal = uint32_t(127 - Bias + 1) << 23;  // 2^(1 - Bias)
-  // subnormal (or zero): q = |v| * 2^(Bias + M - 1), exact, then RNE to an integer in [0, 2^M]
-  // (2^M is the smallest normal, whose code is 2^M as well)
-  const float q = mul_raw(bits_float(a < kMinNormal ? a : 0u), bits_float(uint32_t(127 + Bias - 1 + M) << 23));
-  const uint32_t sub = uint32_t(add_raw(add_raw(q, 8388608.0f), -8388608.0f));
-  // normal: drop 23 - M mantissa bits with round to nearest even, then rebias the exponent
-  constexpr int kDrop = 23 - M;
-  const uint32_t an = a < 0x4F800000u ? a : 0x4F800000u;  // beyond 2^32 every format overflows
-  const uint32_t r = (an + ((1u << (kDrop - 1)) - 1u) + ((an >> kDrop) & 1u)) >> kDrop;
-  const uint32_t normal = r - (uint32_t(127 - Bias) << M);
-  return a < kMinNormal ? sub : normal;
+  constexpr uint32_t kMinNormal = uint32_t(127 + 1 - Bias) << 23;  // 2^(1 - Bias)
+  constexpr uint32_t kCap = uint32_t(127 + Bias + 2) << 23;
+  uint32_t e = a & 0x7F800000u;
+  e = e < kMinNormal ? kMinNormal : (e > kCap ? kCap : e);
+  const float c = bits_float(e + (uint32_t(23 - M) << 23));
+  const float rv = add_raw(add_raw(bits_float(a), c), -c);
+  const uint32_t rb = float_bits(rv);
+  const uint32_t normal = (rb >> (23 - M)) - (uint32_t(127 - Bias) << M);
+  const uint32_t sub = uint32_t(int32_t(mul_raw(rv, bits_float(uint32_t(127 + Bias - 1 + M) << 23))));
+  return rb < kMinNormal ? sub : normal;
 }
 
 //! float32 -> float8_e4m3fn bits (ml_dtypes' conversion). 464, halfway between 448 and the NaN
@@ -51,8 +55,9 @@ GRADCOMP_HD uint8_t float_to_e4m3fn(float v) {
   const uint32_t u = float_bits(v);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  const uint32_t m = fp8_magnitude<3, 7>(a < 0x7F800000u ? a : 0u);
-  return uint8_t(sign | (a >= 0x7F800000u || m > 0x7Eu ? 0x7Fu : m));
+  // inf and NaN go in as 2^32, which rounds far above 448: NaN (written so that GCC vectorizes it)
+  const uint32_t m = fp8_magnitude<3, 7>(a < 0x7F800000u ? a : 0x4F800000u);
+  return uint8_t(sign | (m > 0x7Eu ? 0x7Fu : m));
 }
 //! float32 -> float8_e5m2 bits (ml_dtypes' conversion). 61440, halfway between 57344 and 2^16,
 //! rounds to even: inf; NaN -> 0x7E|sign, +-inf -> 0x7C|sign.
@@ -66,22 +71,24 @@ GRADCOMP_HD uint8_t float_to_e5m2(float v) {
 }
 
 //! float8_e4m3fn bits -> float32 (exact; 0x7F / 0xFF -> the canonical quiet NaN with the sign).
+//! Branch-free (the CPU decode loops vectorize).
 GRADCOMP_HD float e4m3fn_to_float(uint8_t c) {
   const uint32_t sign = uint32_t(c & 0x80u) << 24;
   const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
-  if (e == 15u && m == 7u) return bits_float(sign | 0x7FC00000u);
   const uint32_t normal = ((e + 120u) << 23) | (m << 20);
-  const uint32_t sub = float_bits(mul_raw(float(m), 0.001953125f));  // m * 2^-9, exact
-  return bits_float(sign | (e == 0u ? sub : normal));
+  const uint32_t sub = float_bits(mul_raw(float(int32_t(m)), 0.001953125f));  // m * 2^-9, exact
+  const uint32_t mag = (c & 0x7Fu) == 0x7Fu ? 0x7FC00000u : (e == 0u ? sub : normal);
+  return bits_float(sign | mag);
 }
 //! float8_e5m2 bits -> float32 (exact; the NaN codes -> the canonical quiet NaN with the sign).
 GRADCOMP_HD float e5m2_to_float(uint8_t c) {
   const uint32_t sign = uint32_t(c & 0x80u) << 24;
   const uint32_t e = (c >> 2) & 0x1Fu, m = c & 3u;
-  if (e == 31u) return bits_float(sign | (m == 0u ? 0x7F800000u : 0x7FC00000u));
   const uint32_t normal = ((e + 112u) << 23) | (m << 21);
-  const uint32_t sub = float_bits(mul_raw(float(m), 1.52587890625e-05f));  // m * 2^-16, exact
-  return bits_float(sign | (e == 0u ? sub : normal));
+  const uint32_t sub = float_bits(mul_raw(float(int32_t(m)), 1.52587890625e-05f));  // m * 2^-16, exact
+  const uint32_t special = m == 0u ? 0x7F800000u : 0x7FC00000u;
+  const uint32_t mag = e == 31u ? special : (e == 0u ? sub : normal);
+  return bits_float(sign | mag);
 }
 
 // ---- block scales ----------------------------------------------------------------------------------------

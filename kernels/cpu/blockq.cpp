@@ -2,14 +2,19 @@
 // CPU backend of the block quantizers fp8 / int8 / int4 (kernels/core/codecs/blockq.hpp) with
 // fused error feedback.
 //
-// Encode reads x (and the residual) once: a block of up to kLocal elements is loaded into a local
-// buffer (x' and y = x' / divisor), its finite amax taken there, then quantized from the buffer:
-// codes, the block's scale, and r_new = fl(x' - D) (fl(x' - fl(divisor * D))). Blocks are split
-// over the threads in contiguous ranges. Larger blocks (and block=0, the whole tensor) take two
-// passes: a parallel amax, then a parallel quantization.
-// Decode: D = fl(float(code) * d); out = fl(D * alpha) or out = fl(out + fl(D * alpha)).
+// Encode reads x (and the residual) once: a piece of whole blocks, up to kLocal elements, is
+// loaded into a local buffer (x' and y = x' / divisor; float32 input without a residual is read in
+// place), each block's finite amax taken there, then quantized from L1: codes (8-bit codes
+// straight into the packet), the block's scale, and r_new = fl(x' - D) (fl(x' - fl(divisor * D)))
+// written in place. Pieces are split over the threads in contiguous ranges. Larger blocks (and
+// block=0, the whole tensor) take two passes: a parallel amax, then a parallel quantization. The
+// non-finite flag comes from each block's amax (block_nonfinite), not from every element.
+// Decode: D = fl(float(code) * d); out = fl(D * alpha) (D when alpha is 1) or
+// out = fl(out + fl(D * alpha)).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "../common/quant.hpp"
 #include "../core/codecs/blockq.hpp"
@@ -43,10 +48,11 @@ template <> struct Quant<QuantKind::e5m2> {
 template <int Max> struct IntQuant {
   static constexpr float kMax = float(Max);
   // q finite (blocks with a non-finite value never get here): RNE, then clamp
+  // q is NaN exactly in a block holding a non-finite value (its scale is NaN): code 0
   static uint32_t code(float q) {
     const float r = common::round_half_even(q);
     const float c = r > kMax ? kMax : (r < -kMax ? -kMax : r);
-    return uint32_t(int32_t(c));
+    return c == c ? uint32_t(int32_t(c)) : 0u;
   }
   static float value(uint32_t c) { return float(int32_t(c)); }
 };
@@ -55,26 +61,31 @@ template <> struct Quant<QuantKind::int4> : IntQuant<7> {};
 
 constexpr bool is_int(QuantKind k) { return k == QuantKind::int8 || k == QuantKind::int4; }
 
-// ---- codes and scales in the packet ------------------------------------------------------------------------
-template <QuantKind K> void store_code(uint8_t* codes, int64_t i, uint32_t c) {
-  if constexpr (K == QuantKind::int4) {
-    uint8_t& b = codes[i >> 1];
-    b = (i & 1) ? uint8_t((b & 0x0Fu) | ((c & 0xFu) << 4)) : uint8_t(c & 0xFu);  // low nibble first
-  } else {
-    codes[i] = uint8_t(c);
-  }
-}
-template <QuantKind K> uint32_t load_code(const uint8_t* codes, int64_t i) {
-  if constexpr (K == QuantKind::int4) {
-    const uint32_t nib = (i & 1) ? uint32_t(codes[i >> 1] >> 4) : uint32_t(codes[i >> 1] & 0xFu);
-    return nib & 8u ? nib | 0xFFFFFFF0u : nib;  // sign-extend
-  } else if constexpr (K == QuantKind::int8) {
-    return uint32_t(int32_t(int8_t(codes[i])));
-  } else {
-    return codes[i];
-  }
-}
+} // namespace
+} // namespace GRADCOMP_CPU_NAMESPACE
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// GCC 12's AVX-512 intrinsics start some results from _mm512_undefined_*() and warn about it at
+// every inlined use (GCC bug 105593): not a fault of this file
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+namespace GRADCOMP_CPU_NAMESPACE {
+namespace {
+#include "blockq_avx512.hpp"
+} // namespace
+} // namespace GRADCOMP_CPU_NAMESPACE
+#endif
+namespace GRADCOMP_CPU_NAMESPACE {
+namespace {
 
+#if defined(GRADCOMP_BLOCKQ_AVX512)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+// ---- scales in the packet ----------------------------------------------------------------------------------
 struct Scale {
   float d;       //!< the decode scale
   uint8_t byte;  //!< e8m0: its byte
@@ -117,87 +128,193 @@ template <class In, bool HasRes, bool Div1> struct Src {
   float y(float xp) const { return Div1 ? xp : div_rn(xp, div); }
 };
 
-//! Quantize elements [i0, i0 + len) of one block with scale s, x' and y from `xp_at` / `y_at`;
-//! returns 1 when a decoded value is non-finite.
-template <QuantKind K, bool HasRes, bool Div1, class XpAt, class YAt>
-uint32_t quantize(const Scale& s, int64_t i0, int64_t len, XpAt&& xp_at, YAt&& y_at, float div, float* r,
-                  uint8_t* codes, bool int_nonfinite) {
-  uint32_t nf = 0;
+//! r_new = x' - D (x' - divisor * D), D = code * d, for `len` codes in cb.
+template <QuantKind K, bool Div1>
+void residual_update(int64_t len, const float* __restrict xp, const float* __restrict db, const uint8_t* __restrict cb,
+                     float div, float* __restrict r) {
+#if defined(GRADCOMP_BLOCKQ_AVX512)
+  return simd::residual<K, Div1>(len, xp, db, cb, div, r);
+#endif
   for (int64_t j = 0; j < len; ++j) {
-    const float xp = xp_at(j);
-    uint32_t c = 0;
-    if (!(is_int(K) && int_nonfinite)) c = Quant<K>::code(div_rn(y_at(j), s.d));
-    const float d = mul_rn(Quant<K>::value(c), s.d);
-    store_code<K>(codes, i0 + j, c);
-    if constexpr (HasRes) r[i0 + j] = Div1 ? sub_rn(xp, d) : sub_rn(xp, mul_rn(div, d));
-    nf |= uint32_t(!is_finite_bits(float_bits(d)));
+    const uint32_t c = is_int(K) ? uint32_t(int32_t(int8_t(cb[j]))) : uint32_t(cb[j]);
+    const float dv = mul_rn(Quant<K>::value(c), db[j]);
+    r[j] = Div1 ? sub_rn(xp[j], dv) : sub_rn(xp[j], mul_rn(div, dv));
   }
-  return nf;
+}
+
+//! Quantize `len` elements with their quotients q = fl(y / d), y = fl(x' / divisor): one code
+//! byte each into cb (int codes as two's complement), and with a residual r_new into r. (An int
+//! block holding a non-finite value has the scale NaN, so its quotients are NaN: code 0.) Plain
+//! loops over arrays in L1: they vectorize (or the AVX-512 loops of blockq_avx512.hpp). (A product
+//! by fl(1 / d) with an exact redo of the quotients near a rounding boundary measured slower than
+//! the division: the redo is frequent on bfloat16 input, whose quotients are often exact ties.)
+template <QuantKind K, bool HasRes, bool Div1>
+void quantize(int64_t len, const float* __restrict xp, const float* __restrict yb, const float* __restrict db,
+                    float div, float* __restrict r, uint8_t* __restrict cb) {
+  if constexpr (kAvx512) {
+#if defined(GRADCOMP_BLOCKQ_AVX512)
+    simd::codes_exact<K>(len, yb, db, cb);
+#endif
+  } else {
+    for (int64_t j = 0; j < len; ++j) cb[j] = uint8_t(Quant<K>::code(div_rn(yb[j], db[j])));
+  }
+  if constexpr (HasRes) residual_update<K, Div1>(len, xp, db, cb, div, r);
+}
+
+//! Whether a block leaves a non-finite new residual x' - div * D (D = code value * d), i.e. some x'
+//! is not finite (fp8: a NaN or inf code; int: the NaN scale), or the largest decoded value D, or
+//! div times it, overflows. The largest |code| is the code of amax / d (rounding is monotone and
+//! symmetric) and x' has the sign of D, so this is exactly "some new residual is non-finite" (the
+//! CUDA kernels test every residual; both are checked against a plain loop in test_quant).
+template <QuantKind K> uint32_t block_nonfinite(float amax, const Scale& s, bool nonfinite, float div) {
+  if (nonfinite) return 1u;
+  // every finite code is at most kMax in magnitude: no overflow unless div * kMax * d overflows
+  if (is_finite_bits(float_bits(mul_rn(div, mul_rn(Quant<K>::kMax, s.d))))) return 0u;
+  const float dmax = mul_rn(Quant<K>::value(Quant<K>::code(div_rn(amax, s.d))), s.d);
+  return uint32_t(!is_finite_bits(float_bits(dmax)) || !is_finite_bits(float_bits(mul_rn(div, dmax))));
+}
+
+//! Store `len` codes from cb at element i0 (even for int4: two per byte, low nibble first).
+template <QuantKind K> void store_codes(uint8_t* __restrict codes, int64_t i0, int64_t len, const uint8_t* __restrict cb) {
+  if constexpr (K == QuantKind::int4) {
+    uint8_t* o = codes + (i0 >> 1);
+    const int64_t pairs = len / 2;
+    for (int64_t j = 0; j < pairs; ++j) o[j] = uint8_t((cb[2 * j] & 0xFu) | ((cb[2 * j + 1] & 0xFu) << 4));
+    if (len & 1) o[pairs] = uint8_t(cb[len - 1] & 0xFu);
+  } else {
+    std::memcpy(codes + i0, cb, size_t(len));
+  }
+}
+
+//! Load `len` int4 codes at element i0 (even) into cb, sign-extended to a byte.
+void load_int4(const uint8_t* __restrict codes, int64_t i0, int64_t len, uint8_t* __restrict cb) {
+  const uint8_t* in = codes + (i0 >> 1);
+  const int64_t pairs = len / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint32_t b = in[j];
+    cb[2 * j] = uint8_t(int8_t(int32_t(b << 28) >> 28));
+    cb[2 * j + 1] = uint8_t(int8_t(int32_t(b << 24) >> 28));
+  }
+  if (len & 1) cb[len - 1] = uint8_t(int8_t(int32_t(uint32_t(in[pairs]) << 28) >> 28));
+}
+
+//! The finite amax of yb[0, len) and whether a value is non-finite: an integer max over the bits
+//! (non-negative floats order as integers; an integer max reduction vectorizes, a float one does
+//! not without fast-math). Its own function, outside the OpenMP region, so that it vectorizes.
+[[gnu::noinline]] float block_amax(const float* __restrict yb, int64_t len, uint32_t* nonfinite) {
+#if defined(GRADCOMP_BLOCKQ_AVX512)
+  return common::bits_float(simd::amax(yb, len, nonfinite));
+#endif
+  uint32_t amax = 0, nf = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    const uint32_t a = float_bits(yb[j]) & 0x7FFFFFFFu;
+    const uint32_t finite = uint32_t(a < 0x7F800000u);
+    amax = std::max(amax, a & (0u - finite));  // (a select here keeps GCC 12 from vectorizing)
+    nf |= finite ^ 1u;
+  }
+  *nonfinite = nf;
+  return common::bits_float(amax);
+}
+
+//! x' of `len` elements at i into the local buffer xb; returns where x' is (x itself for float32
+//! input without a residual).
+template <class In, bool HasRes, bool Div1>
+const float* load_piece(const Src<In, HasRes, Div1>& src, int64_t i, int64_t len, float* __restrict xb) {
+  if constexpr (std::is_same_v<In, common::F32> && !HasRes) {
+    return src.x + i;
+  } else {
+    for (int64_t j = 0; j < len; ++j) xb[j] = src.xprime(i + j);
+    return xb;
+  }
+}
+
+//! y = fl(x' / divisor) of `len` elements into yb (x' itself at divisor 1).
+template <bool Div1> const float* divide_piece(const float* __restrict xp, int64_t len, float div, float* __restrict yb) {
+  if constexpr (Div1) {
+    return xp;
+  } else {
+    for (int64_t j = 0; j < len; ++j) yb[j] = div_rn(xp[j], div);
+    return yb;
+  }
 }
 
 template <class In, QuantKind K, bool E8M0, bool HasRes, bool Div1>
 uint32_t encode_blocks(const BlockQPlan& p, const Src<In, HasRes, Div1>& src, uint8_t* codes, uint8_t* scales) {
   const int64_t n = p.numel, B = p.block, nb = p.nblocks;
   const int T = p.threads;
+  const float div = src.div;
+  // 8-bit codes go straight into the packet; int4 codes through a byte buffer (packed on store)
+  constexpr bool kDirect = K != QuantKind::int4;
   uint32_t flag = 0;
   if (B <= kLocal) {
+    // pieces of whole blocks, up to kLocal elements: one read of x (and r) into local buffers
+    const int64_t P = kLocal / B * B;
+    const int64_t pieces = (n + P - 1) / P;
     TeamClock clock;
 #pragma omp parallel num_threads(T) reduction(| : flag)
     {
       clock.arrive();
       alignas(64) float xb[kLocal];
       alignas(64) float yb[kLocal];
+      alignas(64) float db[kLocal];
+      alignas(64) uint8_t cb[kLocal];
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t i0 = b * B, len = std::min(B, n - i0);
-        float amax = 0.0f;
-        uint32_t nonfinite = 0;
-        for (int64_t j = 0; j < len; ++j) {
-          const float xp = src.xprime(i0 + j);
-          const float y = src.y(xp);
-          xb[j] = xp;
-          yb[j] = y;
-          amax = std::max(amax, common::finite_abs(y));
-          nonfinite |= uint32_t(!is_finite_bits(float_bits(y)));
+      for (int64_t q = 0; q < pieces; ++q) {
+        const int64_t i0 = q * P, len = std::min(P, n - i0);
+        const float* xp = load_piece(src, i0, len, xb);
+        const float* y = divide_piece<Div1>(xp, len, div, yb);
+        for (int64_t j0 = 0; j0 < len; j0 += B) {
+          const int64_t bl = std::min(B, len - j0);
+          uint32_t nonfinite = 0;
+          const float amax = block_amax(y + j0, bl, &nonfinite);
+          const Scale s = block_scale<K, E8M0>(amax, nonfinite != 0);
+          store_scale<E8M0>(scales, (i0 + j0) / B, s);
+          for (int64_t j = 0; j < bl; ++j) db[j0 + j] = s.d;
+          flag |= block_nonfinite<K>(amax, s, nonfinite != 0, div);
         }
-        const Scale s = block_scale<K, E8M0>(amax, nonfinite != 0);
-        store_scale<E8M0>(scales, b, s);
-        quantize<K, HasRes, Div1>(
-            s, i0, len, [&](int64_t j) { return xb[j]; }, [&](int64_t j) { return yb[j]; }, src.div, src.r, codes,
-            nonfinite != 0);
-        flag |= nonfinite;
+        uint8_t* c = kDirect ? codes + i0 : cb;
+        quantize<K, HasRes, Div1>(len, xp, y, db, div, HasRes ? src.r + i0 : nullptr, c);
+        if constexpr (!kDirect) store_codes<K>(codes, i0, len, cb);
       }
       clock.finish();
     }
     clock.report(T);
+    (void)nb;
     return flag;
   }
-  // large blocks: per block a parallel amax, then a parallel quantization (two reads)
+  // large blocks: per block a parallel amax, then a parallel quantization (two reads), in even
+  // pieces of at most kLocal elements (int4 bytes are never shared by two threads)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * B, len = std::min(B, n - i0);
-    float amax = 0.0f;
-    uint32_t nonfinite = 0;
-#pragma omp parallel for num_threads(T) schedule(static) reduction(max : amax) reduction(| : nonfinite)
+    uint32_t amax_bits = 0, nonfinite = 0;
+#pragma omp parallel for num_threads(T) schedule(static) reduction(max : amax_bits) reduction(| : nonfinite)
     for (int64_t j = 0; j < len; ++j) {
-      // without a residual first touch: x' = x (+ r) is not stored, the second pass recomputes it
-      const float y = src.y(src.xprime(i0 + j));
-      amax = std::max(amax, common::finite_abs(y));
-      nonfinite |= uint32_t(!is_finite_bits(float_bits(y)));
+      const uint32_t a = float_bits(src.y(src.xprime(i0 + j))) & 0x7FFFFFFFu;
+      const uint32_t finite = uint32_t(a < 0x7F800000u);
+      amax_bits = std::max(amax_bits, a & (0u - finite));
+      nonfinite |= finite ^ 1u;
     }
+    const float amax = common::bits_float(amax_bits);
     const Scale s = block_scale<K, E8M0>(amax, nonfinite != 0);
     store_scale<E8M0>(scales, b, s);
-    // split the block in even-sized parts so int4 bytes are never shared by two threads
-    const int64_t parts = std::min<int64_t>(T, (len + 1) / 2);
-    const int64_t per = ((len + parts - 1) / parts + 1) / 2 * 2;
-#pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t t = 0; t < parts; ++t) {
-      const int64_t j0 = t * per, j1 = std::min(len, j0 + per);
-      if (j0 >= j1) continue;
-      quantize<K, HasRes, Div1>(
-          s, i0 + j0, j1 - j0, [&](int64_t j) { return src.xprime(i0 + j0 + j); },
-          [&](int64_t j) { return src.y(src.xprime(i0 + j0 + j)); }, src.div, src.r, codes, nonfinite != 0);
+    const int64_t pieces = (len + kLocal - 1) / kLocal;
+#pragma omp parallel num_threads(T)
+    {
+      alignas(64) float xb[kLocal];
+      alignas(64) float yb[kLocal];
+      alignas(64) float db[kLocal];
+      alignas(64) uint8_t cb[kLocal];
+      for (int64_t j = 0; j < kLocal; ++j) db[j] = s.d;
+#pragma omp for schedule(static)
+      for (int64_t q = 0; q < pieces; ++q) {
+        const int64_t j0 = i0 + q * kLocal, m = std::min(kLocal, i0 + len - j0);
+        const float* xp = load_piece(src, j0, m, xb);
+        uint8_t* c = kDirect ? codes + j0 : cb;
+        quantize<K, HasRes, Div1>(m, xp, divide_piece<Div1>(xp, m, div, yb), db, div, HasRes ? src.r + j0 : nullptr, c);
+        if constexpr (!kDirect) store_codes<K>(codes, j0, m, cb);
+      }
     }
-    flag |= nonfinite;
+    flag |= block_nonfinite<K>(amax, s, nonfinite != 0, div);
   }
   return flag;
 }
@@ -231,33 +348,75 @@ void encode(const BlockQPlan& p, const EncodeArgs& a) {
 }
 
 // ---- decode ----------------------------------------------------------------------------------------------------
+//! D = fl(code * d)
+template <QuantKind K> float code_value(uint8_t code, float d) {
+  const uint32_t c = is_int(K) ? uint32_t(int32_t(int8_t(code))) : uint32_t(code);
+  return mul_rn(Quant<K>::value(c), d);
+}
+
+//! Decode `len` codes (one byte each) with per-element scales db into o.
+template <QuantKind K, class O>
+void decode_piece(int64_t len, const uint8_t* __restrict c, const float* __restrict db, float alpha, bool acc,
+                  bool alpha1, typename O::storage* __restrict o) {
+#if defined(GRADCOMP_BLOCKQ_AVX512)
+  if constexpr (std::is_same_v<O, common::F32> || std::is_same_v<O, common::BF16>)
+    return simd::decode<K, std::is_same_v<O, common::F32>>(len, c, db, alpha, acc, alpha1, o);
+#endif
+  if (acc) {
+    for (int64_t j = 0; j < len; ++j) o[j] = O::store(add_rn(O::load(o[j]), mul_rn(code_value<K>(c[j], db[j]), alpha)));
+  } else if (alpha1) {
+    for (int64_t j = 0; j < len; ++j) o[j] = O::store(code_value<K>(c[j], db[j]));
+  } else {
+    for (int64_t j = 0; j < len; ++j) o[j] = O::store(mul_rn(code_value<K>(c[j], db[j]), alpha));
+  }
+}
+
 template <QuantKind K, bool E8M0, class O>
 void decode_k(const BlockQPlan& p, const DecodeArgs& a) {
   const uint8_t* codes = a.packet + p.layout.sections[0].offset;
   const uint8_t* scales = a.packet + p.layout.sections[1].offset;
   auto* out = a.out.ptr<typename O::storage>();
-  const int64_t n = p.numel, B = p.block, nb = p.nblocks;
+  const int64_t n = p.numel, B = p.block;
   const bool acc = a.mode == DecodeMode::accumulate;
   const float alpha = a.alpha;
+  // D * 1 is D for every D (a NaN D is already quiet): replace with alpha 1 skips the product
+  const bool alpha1 = alpha == 1.0f;
   const int T = p.threads;
+  // pieces of up to kLocal elements: whole blocks (B <= kLocal) or parts of one block, even-sized
+  const int64_t P = B <= kLocal ? kLocal / B * B : kLocal;
+  const int64_t per_block = B <= kLocal ? 1 : (B + kLocal - 1) / kLocal;
+  const int64_t pieces = B <= kLocal ? (n + P - 1) / P : p.nblocks * per_block;
   TeamClock clock;
 #pragma omp parallel num_threads(T)
   {
     clock.arrive();
-    // parts of whole blocks (even-sized for int4), so each element's scale is its block's
-    const int64_t chunk = std::max<int64_t>(B, 2048 / B * B);
-    const int64_t nchunks = (n + chunk - 1) / chunk;
+    alignas(64) uint8_t cb[kLocal];
+    alignas(64) float db[kLocal];
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < nchunks; ++c) {
-      const int64_t i0 = c * chunk, i1 = std::min(n, i0 + chunk);
-      for (int64_t b = i0 / B; b < nb && b * B < i1; ++b) {
-        const float d = load_scale<E8M0>(scales, b);
-        const int64_t j0 = b * B, j1 = std::min(i1, j0 + B);
-        for (int64_t i = j0; i < j1; ++i) {
-          const float v = mul_rn(mul_rn(Quant<K>::value(load_code<K>(codes, i)), d), alpha);
-          out[i] = O::store(acc ? add_rn(O::load(out[i]), v) : v);
+    for (int64_t q = 0; q < pieces; ++q) {
+      int64_t i0, len;
+      if (B <= kLocal) {
+        i0 = q * P;
+        len = std::min(P, n - i0);
+        for (int64_t j0 = 0; j0 < len; j0 += B) {
+          const float d = load_scale<E8M0>(scales, (i0 + j0) / B);
+          const int64_t bl = std::min(B, len - j0);
+          for (int64_t j = 0; j < bl; ++j) db[j0 + j] = d;
         }
+      } else {
+        const int64_t b = q / per_block;
+        i0 = b * B + (q % per_block) * kLocal;
+        len = std::min({kLocal, n - i0, (b + 1) * B - i0});
+        const float d = load_scale<E8M0>(scales, b);
+        for (int64_t j = 0; j < len; ++j) db[j] = d;
       }
+      if (len <= 0) continue;
+      const uint8_t* c = codes + i0;
+      if constexpr (K == QuantKind::int4) {
+        load_int4(codes, i0, len, cb);
+        c = cb;
+      }
+      decode_piece<K, O>(len, c, db, alpha, acc, alpha1, out + i0);
     }
     clock.finish();
   }

@@ -167,7 +167,7 @@ __device__ void load_quad(const EncArgs& a, int64_t i, int nv, bool vec, float (
 }
 
 //! Quantize a quad with per-element scales d[j]; stores codes and the residual; returns 1 when a
-//! decoded value is non-finite.
+//! new residual x' - div * D is non-finite (computed whether or not a residual is stored).
 template <QuantKind K, bool HasRes>
 __device__ uint32_t quantize_quad(const EncArgs& a, int64_t i, int nv, bool vec, const float (&xp)[kQuad],
                                   const float (&y)[kQuad], const float (&d)[kQuad], const bool (&nfb)[kQuad]) {
@@ -179,7 +179,7 @@ __device__ uint32_t quantize_quad(const EncArgs& a, int64_t i, int nv, bool vec,
     c[j] = (is_int(K) && nfb[j]) || j >= nv ? 0u : DQ<K>::code(div_rn(y[j], d[j]));
     const float dv = mul_rn(DQ<K>::value(c[j]), d[j]);
     rn[j] = a.div1 ? sub_rn(xp[j], dv) : sub_rn(xp[j], mul_rn(a.div, dv));
-    if (j < nv) nf |= nonfinite_bit(dv);
+    if (j < nv) nf |= nonfinite_bit(rn[j]);  // x' or D or div * D non-finite (CPU: block_nonfinite)
   }
   store_codes<K>(a, i, c, nv);
   if constexpr (HasRes) {

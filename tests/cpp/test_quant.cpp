@@ -266,10 +266,12 @@ TEST(BlockQ, PacketsMatchAPlainLoop) {
           const uint8_t* codes = e.packet.data() + l.sections[0].offset;
           const uint8_t* scales = e.packet.data() + l.sections[1].offset;
           for (int64_t i = 0; i < n; ++i) {
-            uint8_t got = codes[i];
-            if (std::string(s.kind) == "int4") {
+            uint8_t got;
+            if (std::string(s.kind) == "int4") {  // two codes per byte: only n/2 bytes exist
               const int nib = (i & 1) ? codes[i / 2] >> 4 : codes[i / 2] & 15;
               got = uint8_t(int8_t(nib & 8 ? nib - 16 : nib));
+            } else {
+              got = codes[i];
             }
             ASSERT_EQ(int(got), int(want.codes[size_t(i)])) << "code " << i << " of " << v[size_t(i)];
             ASSERT_TRUE(ref::same_f32(e.residual[size_t(i)], want.residual[size_t(i)])) << "residual " << i;
@@ -285,7 +287,71 @@ TEST(BlockQ, PacketsMatchAPlainLoop) {
           }
           const auto dec = ref::decode_f32(*codec, e.packet, n);
           for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_f32(dec[size_t(i)], want.decoded[size_t(i)])) << i;
-          EXPECT_EQ(ref::header_of(e.packet.data()).flags, n > 20 ? 1 : 0);
+          bool want_flag = false;  // some new residual non-finite (BlockQ.FlagMarksExactly...)
+          for (int64_t i = 0; i < n; ++i) want_flag = want_flag || !std::isfinite(want.residual[size_t(i)]);
+          if (n > 20) EXPECT_TRUE(want_flag);  // the planted inf and NaN
+          EXPECT_EQ(ref::header_of(e.packet.data()).flags, want_flag ? 1 : 0);
+        }
+      }
+    }
+  }
+}
+
+// The non-finite flag (header bit 0) is set exactly when some new residual x' - divisor * D is not
+// finite: x' = x + r non-finite, a decoded value D that overflows (a block whose largest code times
+// its scale passes FLT_MAX), or divisor * D overflowing (x = FLT_MAX, divisor 3, e8m0's power of two
+// above amax): blocks at and near FLT_MAX, a residual that carries a finite x to infinity, divisors 1
+// and 3. An unflagged packet decodes to finite values and leaves finite residuals.
+TEST(BlockQ, FlagMarksExactlyTheNonFiniteResiduals) {
+  const float M = std::numeric_limits<float>::max();
+  struct Spec {
+    const char* spec;
+    const char* kind;
+    bool e8m0;
+    int64_t block;
+  };
+  const Spec specs[] = {{"fp8:block=4", "e4m3", false, 4},        {"fp8:format=e5m2,block=4", "e5m2", false, 4},
+                        {"fp8:scale=e8m0", "e4m3", true, 32},       {"fp8:format=e5m2,scale=e8m0", "e5m2", true, 32},
+                        {"int8:block=4", "int8", false, 4},         {"int4:block=4", "int4", false, 4}};
+  // Each case is one block: its first four values and residuals (the rest zero).
+  const std::vector<std::pair<std::vector<float>, std::vector<float>>> cases = {
+      {{M, 1.0f, -2.0f, 0.0f}, {0, 0, 0, 0}},
+      {{-M, 1.0f, 0.5f, 3.0f}, {0, 0, 0, 0}},
+      {{3.0e38f, 1.0f, 0.0f, 0.0f}, {0, 0, 0, 0}},
+      {{M / 1.1f, 0.0f, 0.0f, 0.0f}, {0, 0, 0, 0}},
+      {{1.7e38f, -1.7e38f, 1.0f, 0.0f}, {0, 0, 0, 0}},
+      {{1.0e38f, 2.0f, 0.0f, 0.0f}, {0, 0, 0, 0}},
+      {{M, 1.0f, 0.0f, 0.0f}, {M / 2, 0, 0, 0}},  // x' = inf
+      {{1.0f, 2.0f, 3.0f, 4.0f}, {0, 0, 0, 0}},
+      {{1e-40f, 0.0f, -1e-45f, 0.0f}, {0, 0, 0, 0}}};
+  for (const Spec& s : specs) {
+    auto codec = gradcomp::Codec::create(s.spec);
+    for (const auto& [v4, r4] : cases) {
+      std::vector<float> v(v4), r(r4);
+      v.resize(size_t(s.block), 0.0f);
+      r.resize(size_t(s.block), 0.0f);
+      const size_t n = v.size();
+      for (float div : {1.0f, 3.0f}) {
+        SCOPED_TRACE(std::string(s.spec) + " x0 " + std::to_string(v[0]) + " r0 " + std::to_string(r[0]) + " div " +
+                     std::to_string(div));
+        const ref::Input x = ref::Input::from_floats(gradcomp::DType::float32, v);
+        const QRef want = quant_ref(s.kind, s.e8m0, s.block, x, r, div);
+        bool want_flag = false;
+        for (size_t i = 0; i < n; ++i)
+          want_flag = want_flag || !std::isfinite(v[i] + r[i]) || !std::isfinite(want.decoded[i]) ||
+                      !std::isfinite(want.residual[i]);
+        ref::Encoded e = ref::encode(*codec, x, &r, div);
+        const bool flag = (ref::header_of(e.packet.data()).flags & 1) != 0;
+        EXPECT_EQ(flag, want_flag);
+        uint32_t status = 0;
+        const auto dec = ref::decode_f32(*codec, e.packet, int64_t(n), &status);
+        EXPECT_EQ(status != 0, flag);
+        if (!flag) {
+          for (size_t i = 0; i < n; ++i) {
+            EXPECT_TRUE(std::isfinite(dec[i])) << i;
+            EXPECT_TRUE(std::isfinite(e.residual[i])) << i;
+            EXPECT_TRUE(ref::same_f32(dec[i], want.decoded[i])) << i;
+          }
         }
       }
     }

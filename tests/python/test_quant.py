@@ -79,7 +79,8 @@ def reference(x32: np.ndarray, r: np.ndarray, divisor: float, kind: str, block: 
             dec[b0:b0 + B] = (vals * d).astype(F32)
     with np.errstate(all="ignore"):
         res = (xp - dec).astype(F32) if divisor == 1 else (xp - (F32(divisor) * dec).astype(F32)).astype(F32)
-    return codes, np.array(scales, F32), np.array(sbytes, np.uint8), res, dec, bool((~np.isfinite(y)).any())
+    # the flag: some new residual x' - divisor * D is not finite (x', D or divisor * D non-finite)
+    return codes, np.array(scales, F32), np.array(sbytes, np.uint8), res, dec, bool((~np.isfinite(res)).any())
 
 
 def spec_parts(spec: str):

@@ -14,6 +14,8 @@
 //         code = RNE(fl(y / d)) clamped to [-127, 127] ([-7, 7]); int4 packs two codes per byte, low
 //         nibble first; a block holding a non-finite value gets d = NaN and all-zero codes.
 // Decode: D = fl(float(code) * d). The residual keeps r_new = fl(x' - D) (fl(x' - fl(divisor * D))).
+// The header's non-finite flag is set exactly when some r_new is not finite (x', D or divisor * D
+// non-finite: a non-finite input, or a block near FLT_MAX whose decoded values overflow).
 // Packet: header (main parameter: the block; wire dtype: the code dtype), section "codes" (numel
 // codes), section "scales" (one per block: float32, or float8_e8m0fnu bytes).
 #pragma once

@@ -229,14 +229,17 @@ void throw_corrupt_packet(const char* fmt, ...) {
 namespace {
 // Contention (issue: with another process holding one of two cores, OpenMP teams wait for the
 // thread that shares a core, and 2 threads run far slower than 1). A kernel's team reports how far
-// apart its threads started a parallel region (note_team_skew); a skew above kSkewBusy means a
-// thread waited for a core, and the next calls run on one thread for kBusyHold, except every
-// kProbeEvery-th call, which tries the full team again and clears the state when its threads start
-// together. Packets do not depend on the thread count, so this changes only the speed.
+// apart its threads started or finished their shares of a parallel region (note_team_skew); two
+// regions in a row skewed by more than kSkewBusy mean a thread waits for a core, and the next calls
+// run on one thread for kBusyHold, except every kProbeEvery-th call, which tries the full team
+// again and clears the state when its threads keep together. Packets do not depend on the thread
+// count, so this changes only the speed.
 constexpr int64_t kSkewBusy = 1'000'000;    // 1 ms
 constexpr int64_t kSkewQuiet = 200'000;     // 0.2 ms
 constexpr int64_t kBusyHold = 500'000'000;  // 0.5 s
 constexpr uint32_t kProbeEvery = 16;
+constexpr uint32_t kSkewedToBusy = 2;  // consecutive skewed regions that mean a busy core
+std::atomic<uint32_t> skewed_in_a_row{0};
 std::atomic<int64_t> busy_until{0};
 std::atomic<uint32_t> busy_calls{0};
 std::atomic<bool> adaptive{[] {
@@ -252,9 +255,13 @@ int64_t steady_ns() {
 void note_team_skew(int threads, int64_t skew_ns) noexcept {
   if (threads <= 1 || !adaptive.load(std::memory_order_relaxed)) return;
   if (skew_ns > kSkewBusy) {
-    busy_until.store(steady_ns() + kBusyHold, std::memory_order_relaxed);
-  } else if (skew_ns < kSkewQuiet) {
-    busy_until.store(0, std::memory_order_relaxed);
+    // two skewed regions in a row (one alone is scheduler noise on a shared machine: seen 2 ms
+    // once in a few hundred idle calls)
+    if (skewed_in_a_row.fetch_add(1, std::memory_order_relaxed) + 1 >= kSkewedToBusy)
+      busy_until.store(steady_ns() + kBusyHold, std::memory_order_relaxed);
+  } else {
+    skewed_in_a_row.store(0, std::memory_order_relaxed);
+    if (skew_ns < kSkewQuiet) busy_until.store(0, std::memory_order_relaxed);
   }
 }
 

@@ -1,5 +1,5 @@
 """End to end: ``python -m gradcomp.experiments`` on a tiny setting (2 gloo workers, 1 seed,
-2 epochs, 2 codecs with error feedback on), checking the files it writes. No numeric tolerance is
+2 epochs, 3 codecs with error feedback on: one per scheme auto picks), checking the files it writes. No numeric tolerance is
 involved except the ratio checks below (stated inline)."""
 
 import csv
@@ -20,23 +20,25 @@ pytest.importorskip("tqdm")
 def test_experiment_end_to_end(tmp_path):
     out = tmp_path / "res"
     cmd = [sys.executable, "-m", "gradcomp.experiments", "--workers", "2", "--seeds", "1",
-           "--epochs", "2", "--codecs", "none;topk:ratio=0.01", "--ef", "on", "--out", str(out),
+           "--epochs", "2", "--codecs", "none;topk:ratio=0.01;int8", "--ef", "on", "--out", str(out),
            "--no-progress"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert p.returncode == 0, p.stderr[-4000:]
     for name in ("table.md", "results.csv", "results.json", "accuracy_vs_bits.png"):
         assert (out / name).is_file(), name
         assert str(out / name) in p.stdout  # the CLI says where its files are
-    assert "| codec | EF |" in p.stdout
+    assert "| codec | scheme | EF |" in p.stdout
 
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2
-    for col in ("codec", "error_feedback", "seed", "test_accuracy", "packet_ratio", "wire_ratio",
+    assert len(rows) == 3
+    for col in ("codec", "scheme", "error_feedback", "seed", "test_accuracy", "packet_ratio", "wire_ratio",
                 "bits_per_element"):
         assert col in rows[0], col
     by = {r["codec"]: r for r in rows}
-    assert set(by) == {"none", "topk:ratio=0.01"}
+    assert set(by) == {"none", "topk:ratio=0.01", "int8"}
+    # auto: sum for none, gather for top-k, two_phase for a quantizer
+    assert [by[c]["scheme"] for c in ("none", "topk:ratio=0.01", "int8")] == ["sum", "gather", "two_phase"]
     for r in rows:
         assert r["error_feedback"] == "True" and r["seed"] == "0"
         assert 0.0 <= float(r["test_accuracy"]) <= 100.0
@@ -52,8 +54,8 @@ def test_experiment_end_to_end(tmp_path):
     with open(out / "results.json") as f:
         js = json.load(f)
     assert {"config", "runs", "summary", "wall_s"} <= set(js)
-    assert len(js["runs"]) == 2 and len(js["runs"][0]["train_loss"]) == 2
-    assert {s["codec"] for s in js["summary"]} == {"none", "topk:ratio=0.01"}
+    assert len(js["runs"]) == 3 and len(js["runs"][0]["train_loss"]) == 2
+    assert {s["codec"] for s in js["summary"]} == {"none", "topk:ratio=0.01", "int8"}
 
     with open(out / "accuracy_vs_bits.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -3,8 +3,11 @@
 Spawns W DDP worker processes on gloo (default 4, spawn start method, one thread each, reused for
 every run; a new model, DDP wrapper and hook state per run), trains an MLP on scikit-learn's digits
 (see :mod:`gradcomp.experiments.runner`) and sweeps codecs x error feedback x seeds. Default sweep:
-none, fp16, bf16, topk at ratios 0.1, 0.01, 0.001, each with and without error feedback, 3 seeds
-(36 runs).
+none, fp16, bf16, topk at ratios 0.1, 0.01, 0.001, and the block quantizers fp8 (e4m3 and e5m2,
+block 128), fp8 with e8m0 scales (block 32), int8 and int4 (block 128), each with and without
+error feedback; 3 seeds for the first six codecs and 2 (``--quant-seeds``) for the quantizers,
+so that the 56 runs fit in 5 minutes on 2 cores. The hook's scheme is ``auto`` (sum for the casts, gather for
+top-k, two_phase for the quantizers); the table and the CSV say which scheme each run used.
 
 Writes into ``--out`` (default ``results/``): ``results.csv`` (one row per run), ``results.json``
 (configuration, every run with its loss curve, and the summary), ``table.md`` (the printed table:
@@ -34,9 +37,10 @@ from typing import Dict, List, Optional
 
 from ..codec import Codec
 
-DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001"]
+DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
+                  "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"]
 
-CSV_COLUMNS = ["codec", "error_feedback", "seed", "test_accuracy", "final_loss", "packet_ratio",
+CSV_COLUMNS = ["codec", "scheme", "error_feedback", "seed", "test_accuracy", "final_loss", "packet_ratio",
                "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
                "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
                "decode_s", "comm_s", "train_s", "wall_s", "workers", "epochs"]
@@ -53,6 +57,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ef", choices=["both", "on", "off"], default="both",
                    help="error feedback: both (default), on, off")
     p.add_argument("--seeds", type=int, default=3, help="seeds per setting, 0..N-1 (default 3)")
+    p.add_argument("--quant-seeds", type=int, default=2,
+                   help="seeds for the block quantizers fp8/int8/int4, at most --seeds (default 2: the "
+                        "default sweep fits in 5 minutes on 2 cores)")
     p.add_argument("--epochs", type=int, default=30, help="epochs per run (default 30)")
     p.add_argument("--lr", type=float, default=0.07, help="peak learning rate, cosine decay (default 0.07)")
     p.add_argument("--momentum", type=float, default=0.9)
@@ -65,8 +72,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log gradcomp INFO messages")
     a = p.parse_args(argv)
-    if a.workers < 1 or a.seeds < 1 or a.epochs < 1 or a.batch_size < 1 or a.hidden < 1:
-        p.error("--workers, --seeds, --epochs, --batch-size and --hidden must be >= 1")
+    if a.workers < 1 or a.seeds < 1 or a.quant_seeds < 1 or a.epochs < 1 or a.batch_size < 1 or a.hidden < 1:
+        p.error("--workers, --seeds, --quant-seeds, --epochs, --batch-size and --hidden must be >= 1")
     a.codec_list = [c.strip() for c in a.codecs.split(";") if c.strip()]
     if not a.codec_list:
         p.error("--codecs is empty")
@@ -76,6 +83,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--codecs: {e}")
     return a
+
+
+def seeds_for(codec: str, a: argparse.Namespace) -> int:
+    """Seeds of a codec's runs: ``--quant-seeds`` (capped at ``--seeds``) for the block quantizers
+    fp8 / int8 / int4, ``--seeds`` for the others."""
+    family = codec.partition(":")[0].strip()
+    return min(a.seeds, a.quant_seeds) if family in ("fp8", "int8", "int4") else a.seeds
 
 
 def _setting(codec: str, ef: bool) -> str:
@@ -96,7 +110,8 @@ def summarize(rows: List[dict]) -> List[dict]:
             return statistics.fmean(r[k] for r in rs)
 
         out.append({
-            "codec": codec, "error_feedback": ef, "runs": len(rs),
+            "codec": codec, "scheme": "/".join(sorted({r.get("scheme", "") for r in rs})),
+            "error_feedback": ef, "runs": len(rs),
             "acc_mean": statistics.fmean(accs), "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
             "acc_min": min(accs), "acc_max": max(accs),
             "final_loss": mean("final_loss"), "packet_ratio": mean("packet_ratio"),
@@ -109,13 +124,13 @@ def summarize(rows: List[dict]) -> List[dict]:
 
 def format_table(summary: List[dict], workers: int) -> str:
     """A Markdown table of the summary (accuracy in percent, mean +- sample std over seeds)."""
-    head = ("| codec | EF | runs | test acc % (mean ± std) | min–max | final loss | packet_ratio | "
+    head = ("| codec | scheme | EF | runs | test acc % (mean ± std) | min–max | final loss | packet_ratio | "
             "wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
-    sep = "|" + "---|" * 13
+    sep = "|" + "---|" * 14
     lines = [head, sep]
     for s in summary:
         lines.append(
-            f"| {s['codec']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
+            f"| {s['codec']} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
             f"{s['acc_mean']:.2f} ± {s['acc_std']:.2f} | {s['acc_min']:.2f}–{s['acc_max']:.2f} | "
             f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
             f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
@@ -185,7 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs = [dict(codec=c, error_feedback=ef, seed=s, epochs=a.epochs, lr=a.lr, momentum=a.momentum,
                  batch_size=a.batch_size, hidden=a.hidden, bucket_cap_mb=a.bucket_cap_mb,
                  weight_decay=a.weight_decay)
-            for c in a.codec_list for ef in efs for s in range(a.seeds)]
+            for c in a.codec_list for ef in efs for s in range(seeds_for(c, a))]
     os.makedirs(a.out, exist_ok=True)
     t0 = time.perf_counter()
     rows = []

@@ -119,6 +119,8 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         "train_loss": losses,
         "final_loss": losses[-1] if losses else float("nan"),
         "steps": st["steps"],
+        # the schemes auto chose for the buckets of the last step ("two_phase", "gather", ...)
+        "scheme": "+".join(sorted({b["scheme"] for b in st["buckets"]})),
         "packet_ratio": tot["packet_ratio"],
         "wire_ratio": tot["wire_ratio"],
         "bits_per_element": tot["bits_per_element"],

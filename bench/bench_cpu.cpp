@@ -1,10 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU kernel benchmarks (Google Benchmark): top-k (k = 1% and 0.1%, with and without error
-// feedback) and the fp16 / bf16 casts of 2^24 float32 values, at 1 and 2 threads
-// (gradcomp::set_num_threads), next to a memcpy of the same buffer in the same run.
+// CPU kernel benchmarks (Google Benchmark) on 2^24 elements at 1 and 2 threads
+// (gradcomp::set_num_threads), next to a memcpy of the same buffer in the same run:
+//   encode, with and without error feedback: top-k (k = 1% and 0.1%) and the fp16 / bf16 casts of
+//     float32; the block quantizers fp8 (e4m3 and e5m2, block 128; e4m3 with e8m0 scales, block
+//     32), int8 and int4 (block 128) of float32 and bfloat16 input;
+//   decode (replace, into the input's dtype): the block quantizers, float32 and bfloat16.
 //
-// Every benchmark reports bytes_per_second from the compulsory traffic (x read, packet written,
-// residual read and written), and the counters
+// Every benchmark reports bytes_per_second from the compulsory traffic (encode: x read, packet
+// written, residual read and written; decode: packet read, out written), and the counters
 //   GBps       the same figure in 1e9 bytes/s,
 //   copy_GBps  what the most recent memcpy run measured at the same thread count (bytes read +
 //              written; with --benchmark_repetitions, the last repetition's figure),
@@ -12,7 +15,7 @@
 // Run e.g.: ./bench_cpu --benchmark_min_time=1 (the memcpy benchmarks are registered first, so
 // their figures are known when the kernels run; a --benchmark_filter that drops them leaves
 // copy_GBps at 0).
-// Inputs are normal(0, 1) float32 from a fixed seed. Times are measured manually around the
+// Inputs are normal(0, 1) float32 from a fixed seed (bfloat16: the same values, truncated). Times are measured manually around the
 // encode call only (the residual is restored between iterations outside the timed region, so the
 // CPU column of the residual runs includes that copy while Time does not).
 #include <benchmark/benchmark.h>
@@ -70,6 +73,25 @@ const std::vector<float>& residual0() {
   return r;
 }
 
+// The same input as bfloat16 (the top 16 bits of each float32: a truncation, good enough here).
+const std::vector<uint16_t>& input_bf16() {
+  static const std::vector<uint16_t> x = [] {
+    std::vector<uint16_t> v(input().size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t b;
+      std::memcpy(&b, &input()[i], 4);
+      v[i] = uint16_t(b >> 16);
+    }
+    return v;
+  }();
+  return x;
+}
+gradcomp::DType dtype_arg(int64_t a) { return a == 0 ? gradcomp::DType::float32 : gradcomp::DType::bfloat16; }
+void* input_ptr(gradcomp::DType t) {
+  return t == gradcomp::DType::float32 ? static_cast<void*>(const_cast<float*>(input().data()))
+                                       : static_cast<void*>(const_cast<uint16_t*>(input_bf16().data()));
+}
+
 std::map<int, double>& copy_gbps() {
   static std::map<int, double> m;
   return m;
@@ -111,16 +133,18 @@ void BM_Memcpy(benchmark::State& state) {
   report(state, threads, 2.0 * double(bytes), total);
 }
 
-// encode of kN float32 with `spec`; args: threads, residual (0/1).
+// encode of kN elements with `spec`; args: threads, residual (0/1), input dtype (0 float32, 1 bfloat16).
 void run_encode(benchmark::State& state, const std::string& spec) {
   const int threads = int(state.range(0));
   const bool with_res = state.range(1) != 0;
+  const gradcomp::DType t = dtype_arg(state.range(2));
   gradcomp::set_num_threads(threads);
   auto codec = gradcomp::Codec::create(spec);
-  const int64_t pb = codec->packet_bytes(kN, gradcomp::DType::float32);
-  const int64_t wb = codec->workspace_bytes(kN, gradcomp::DType::float32, {});
+  state.SetLabel(std::string(codec->spec()) + " " + std::string(gradcomp::dtype_name(t)));
+  const int64_t pb = codec->packet_bytes(kN, t);
+  const int64_t wb = codec->workspace_bytes(kN, t, {});
   Buf packet = alloc(pb), ws = alloc(wb), res = alloc(kN * 4);
-  const gradcomp::Tensor x{const_cast<float*>(input().data()), gradcomp::DType::float32, kN, {}};
+  const gradcomp::Tensor x{input_ptr(t), t, kN, {}};
   const gradcomp::Tensor pt{packet.get(), gradcomp::DType::uint8, pb, {}};
   const gradcomp::Tensor wt{ws.get(), gradcomp::DType::uint8, wb, {}};
   const gradcomp::Tensor rt{res.get(), gradcomp::DType::float32, kN, {}};
@@ -135,9 +159,38 @@ void run_encode(benchmark::State& state, const std::string& spec) {
     state.SetIterationTime(s);
   }
   // compulsory traffic: x read, packet written, residual read and written
-  const double bytes = double(kN) * 4 + double(pb) + (with_res ? double(kN) * 8 : 0.0);
+  const double bytes = double(kN) * double(gradcomp::dtype_size(t)) + double(pb) + (with_res ? double(kN) * 8 : 0.0);
   state.counters["packet_bytes"] = double(pb);
   report(state, threads, bytes, total);
+}
+
+// decode (replace) of a packet of kN elements into the input's dtype; args: threads, dtype.
+void run_decode(benchmark::State& state, const std::string& spec) {
+  const int threads = int(state.range(0));
+  const gradcomp::DType t = dtype_arg(state.range(1));
+  gradcomp::set_num_threads(threads);
+  auto codec = gradcomp::Codec::create(spec);
+  state.SetLabel(std::string(codec->spec()) + " -> " + std::string(gradcomp::dtype_name(t)));
+  const int64_t pb = codec->packet_bytes(kN, t);
+  const int64_t wb = codec->workspace_bytes(kN, t, {});
+  const int64_t eb = gradcomp::dtype_size(t);
+  Buf packet = alloc(pb), ws = alloc(wb), out = alloc(kN * eb);
+  const gradcomp::Tensor x{input_ptr(t), t, kN, {}};
+  const gradcomp::Tensor pt{packet.get(), gradcomp::DType::uint8, pb, {}};
+  const gradcomp::Tensor wt{ws.get(), gradcomp::DType::uint8, wb, {}};
+  const gradcomp::Tensor ot{out.get(), t, kN, {}};
+  codec->encode(x, nullptr, pt, wt);
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    codec->decode(pt, ot, wt);
+    benchmark::ClobberMemory();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    total += s;
+    state.SetIterationTime(s);
+  }
+  state.counters["packet_bytes"] = double(pb);
+  report(state, threads, double(pb) + double(kN) * double(eb), total);
 }
 
 void BM_TopK_1pct(benchmark::State& s) { run_encode(s, "topk:ratio=0.01"); }
@@ -145,10 +198,29 @@ void BM_TopK_0p1pct(benchmark::State& s) { run_encode(s, "topk:ratio=0.001"); }
 void BM_Cast_fp16(benchmark::State& s) { run_encode(s, "fp16"); }
 void BM_Cast_bf16(benchmark::State& s) { run_encode(s, "bf16"); }
 
+const char* const kQuant[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"};
+void BM_Quant_Encode(benchmark::State& s) { run_encode(s, kQuant[s.range(3)]); }
+void BM_Quant_Decode(benchmark::State& s) { run_decode(s, kQuant[s.range(2)]); }
+
 void thread_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"threads", "residual"});
+  b->ArgNames({"threads", "residual", "bf16"});
   for (int t : {1, 2})
-    for (int r : {0, 1}) b->Args({t, r});
+    for (int r : {0, 1}) b->Args({t, r, 0});
+  b->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+void quant_encode_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"threads", "residual", "bf16", "codec"});
+  for (int c = 0; c < 5; ++c)
+    for (int d : {0, 1})
+      for (int t : {1, 2})
+        for (int r : {0, 1}) b->Args({t, r, d, c});
+  b->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+void quant_decode_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"threads", "bf16", "codec"});
+  for (int c = 0; c < 5; ++c)
+    for (int d : {0, 1})
+      for (int t : {1, 2}) b->Args({t, d, c});
   b->UseManualTime()->Unit(benchmark::kMillisecond);
 }
 
@@ -159,5 +231,7 @@ BENCHMARK(BM_TopK_1pct)->Apply(thread_args);
 BENCHMARK(BM_TopK_0p1pct)->Apply(thread_args);
 BENCHMARK(BM_Cast_fp16)->Apply(thread_args);
 BENCHMARK(BM_Cast_bf16)->Apply(thread_args);
+BENCHMARK(BM_Quant_Encode)->Apply(quant_encode_args);
+BENCHMARK(BM_Quant_Decode)->Apply(quant_decode_args);
 
 BENCHMARK_MAIN();

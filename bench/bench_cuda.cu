@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Google Benchmark of the CUDA codecs (none / fp16 / bf16 encode and decode, top-k encode), timed
+// Google Benchmark of the CUDA codecs (none / fp16 / bf16 encode and decode; the block quantizers
+// fp8 e4m3 / e5m2 / e8m0, int8, int4 encode of float32 and bfloat16 with and without error
+// feedback and decode into float32 / bfloat16, at 2^26; top-k encode), timed
 // with CUDA events (manual time). Every benchmark reports GB/s of the bytes it must move and, as
 // the floor to compare with, the device-to-device copy bandwidth measured in the same run
 // (cudaMemcpyAsync D2D of the same number of input bytes, counted read + write).
@@ -196,6 +198,80 @@ void BM_TopKEncode(benchmark::State& st) {
   cudaStreamDestroy(s);
 }
 
+// ---- block quantizers: encode (float32 / bfloat16 in, with and without error feedback), decode ----------
+const char* const kQuantSpecs[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"};
+
+// args: n, codec, input dtype (0 float32, 1 bfloat16), residual (0/1)
+void BM_QuantEncode(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  auto c = Codec::create(kQuantSpecs[st.range(1)]);
+  const DType t = st.range(2) == 0 ? DType::float32 : DType::bfloat16;
+  const bool res = st.range(3) != 0;
+  st.SetLabel(std::string(c->spec()) + " " + std::string(gradcomp::dtype_name(t)) + (res ? " + residual" : ""));
+  const int64_t eb = gradcomp::dtype_size(t);
+  const int64_t pb = c->packet_bytes(n, t), wb = c->workspace_bytes(n, t, kGpu);
+  Buf xf(static_cast<size_t>(n) * 4), x(static_cast<size_t>(n * eb)), r(static_cast<size_t>(n) * 4),
+      p(static_cast<size_t>(pb)), w(static_cast<size_t>(wb));
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<float*>(xf.p), n, 4);
+  if (t == DType::float32) BCK(cudaMemcpy(x.p, xf.p, size_t(n) * 4, cudaMemcpyDeviceToDevice));
+  else to_half_kernel<<<1024, 256>>>(reinterpret_cast<float*>(xf.p), reinterpret_cast<uint16_t*>(x.p), n, true);
+  BCK(cudaMemset(r.p, 0, size_t(n) * 4));
+  BCK(cudaMemset(w.p, 0, size_t(wb)));
+  cudaStream_t s;
+  BCK(cudaStreamCreate(&s));
+  Tensor xt{x.p, t, n, kGpu}, rt{r.p, DType::float32, n, kGpu}, pt{p.p, DType::uint8, pb, kGpu},
+      wt{w.p, DType::uint8, wb, kGpu};
+  c->encode(xt, res ? &rt : nullptr, pt, wt, gradcomp::Stream{s});
+  double total = 0;
+  for (auto _ : st) {
+    const float ms = time_ms(s, [&] { c->encode(xt, res ? &rt : nullptr, pt, wt, gradcomp::Stream{s}); });
+    st.SetIterationTime(ms * 1e-3);
+    total += ms;
+  }
+  // x read, packet written, residual read + written
+  report(st, double(n * eb) + double(pb) + (res ? double(n) * 8.0 : 0.0), total, size_t(n * eb));
+  cudaStreamDestroy(s);
+}
+
+// args: n, codec, output dtype (0 float32, 1 bfloat16); decode replaces out
+void BM_QuantDecode(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  auto c = Codec::create(kQuantSpecs[st.range(1)]);
+  const DType t = st.range(2) == 0 ? DType::float32 : DType::bfloat16;
+  st.SetLabel(std::string(c->spec()) + " -> " + std::string(gradcomp::dtype_name(t)));
+  const int64_t eb = gradcomp::dtype_size(t);
+  const int64_t pb = c->packet_bytes(n, t), wb = c->workspace_bytes(n, t, kGpu);
+  Buf xf(static_cast<size_t>(n) * 4), x(static_cast<size_t>(n * eb)), o(static_cast<size_t>(n * eb)),
+      p(static_cast<size_t>(pb)), w(static_cast<size_t>(wb));
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<float*>(xf.p), n, 5);
+  if (t == DType::float32) BCK(cudaMemcpy(x.p, xf.p, size_t(n) * 4, cudaMemcpyDeviceToDevice));
+  else to_half_kernel<<<1024, 256>>>(reinterpret_cast<float*>(xf.p), reinterpret_cast<uint16_t*>(x.p), n, true);
+  BCK(cudaMemset(w.p, 0, size_t(wb)));
+  Tensor xt{x.p, t, n, kGpu}, ot{o.p, t, n, kGpu}, pt{p.p, DType::uint8, pb, kGpu}, wt{w.p, DType::uint8, wb, kGpu};
+  c->encode(xt, nullptr, pt, wt);
+  cudaStream_t s;
+  BCK(cudaStreamCreate(&s));
+  double total = 0;
+  for (auto _ : st) {
+    const float ms = time_ms(s, [&] { c->decode(pt, ot, wt, gradcomp::DecodeMode::assign, 1.0f, gradcomp::Stream{s}); });
+    st.SetIterationTime(ms * 1e-3);
+    total += ms;
+  }
+  report(st, double(pb) + double(n * eb), total, size_t(n * eb));
+  cudaStreamDestroy(s);
+}
+
+void QuantEncodeArgs(benchmark::internal::Benchmark* b) {
+  for (int c = 0; c < 5; ++c)
+    for (int d : {0, 1})
+      for (int r : {0, 1}) b->Args({int64_t(1) << 26, c, d, r});
+  b->Args({int64_t(1) << 20, 0, 0, 1});
+}
+void QuantDecodeArgs(benchmark::internal::Benchmark* b) {
+  for (int c = 0; c < 5; ++c)
+    for (int d : {0, 1}) b->Args({int64_t(1) << 26, c, d});
+}
+
 void CastArgs(benchmark::internal::Benchmark* b) {
   for (int64_t n : {int64_t(1) << 20, int64_t(1) << 26})
     for (int spec = 0; spec < 3; ++spec) b->Args({n, spec});
@@ -204,6 +280,8 @@ void CastArgs(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_CopyD2D)->Arg(1 << 20)->Arg(1 << 26)->Arg(1 << 28)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CastEncode)->Apply(CastArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CastDecode)->Apply(CastArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_QuantEncode)->Apply(QuantEncodeArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_QuantDecode)->Apply(QuantDecodeArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_TopKEncode)
     ->Args({1 << 16, 0})
     ->Args({1 << 20, 0})

@@ -4,7 +4,7 @@
 
 namespace gradcomp::detail {
 
-FactoryFn make_cast, make_topk, make_blockq; // defined in kernels/core/codecs/<family>.cpp
+FactoryFn make_cast, make_topk, make_blockq, make_onebit; // defined in kernels/core/codecs/<family>.cpp
 
 const std::vector<RegistryEntry>& registry() {
   static const std::vector<RegistryEntry> table = {
@@ -24,6 +24,9 @@ const std::vector<RegistryEntry>& registry() {
        "symmetric int8 codes with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
       {"int4", CodecId::int4, {"block"}, make_blockq, {"int4", "int4:block=0", "int4:block=6"},
        "symmetric int4 codes, two per byte, with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
+      {"onebit", CodecId::onebit, {"scale", "chunk"}, make_onebit,
+       {"onebit", "onebit:scale=mean_abs", "onebit:chunk=8", "onebit:chunk=4104,scale=mean_abs"},
+       "1-bit signs with a float32 scale (RMS or mean |x|) per chunk (1-bit Adam, Tang et al. 2021)"},
   };
   return table;
 }

@@ -929,6 +929,48 @@ TEST(CudaBlockQ, CorruptHeaderWritesNothing) {
   }
 }
 
+// onebit: CUDA packets (bits from warp ballots, scales from the warp-shuffle form of the fixed
+// reduction tree), residuals and decoded values byte-for-byte equal to the CPU backend's (checked
+// against numpy in tests/python/test_onebit.py), for every example spec plus chunks of several
+// reduce tiles and chunk=0 on 2^20 elements (three kernels), every dtype, divisors 1 and 3, edges.
+TEST(CudaOnebit, PacketsAndResidualsEqualTheCpu) {
+  REQUIRE_GPU();
+  uint32_t seed = 61000;
+  std::vector<std::string> specs;
+  for (const auto& info : gradcomp::list_codecs())
+    if (info.name == "onebit")
+      for (const auto& e : info.examples) specs.push_back(e);
+  specs.push_back("onebit:chunk=12296");
+  specs.push_back("onebit:chunk=262144,scale=mean_abs");
+  for (const std::string& spec : specs) {
+    auto c = Codec::create(spec);
+    for (DType t : kDtypes) {
+      for (int64_t n : {int64_t(1), int64_t(7), int64_t(33), int64_t(4097), int64_t(70001), int64_t(1) << 20}) {
+        for (int variant = 0; variant < 3; ++variant) {
+          SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " + std::to_string(variant));
+          const auto x = to_dtype(make_values(n, variant == 2 ? Kind::edges : Kind::normal, seed++), t);
+          std::vector<float> r(static_cast<size_t>(n), 0.03125f);
+          const float div = variant == 1 ? 3.0f : 1.0f;
+          for (bool with_r : {false, true}) {
+            const auto cpu = encode_cpu(*c, x, t, n, with_r ? &r : nullptr, div);
+            const auto gpu = encode_gpu(*c, x, t, n, with_r ? &r : nullptr, div, variant == 1 ? 1 : 0);
+            ASSERT_EQ(first_diff(gpu.packet, cpu.packet), -1);
+            if (with_r) ASSERT_EQ(first_diff_f(gpu.residual, cpu.residual), -1);
+            for (DType out_t : kDtypes) {
+              const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
+              uint32_t s_cpu = 0, s_gpu = 0;
+              const auto a = decode_cpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
+              const auto b = decode_gpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
+              ASSERT_EQ(first_diff(a, b), -1);
+              ASSERT_EQ(s_cpu, s_gpu);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaInfo, BuildInfo) {
   const auto b = gradcomp::build_info();
   EXPECT_TRUE(b.cuda);

@@ -179,3 +179,24 @@ def test_cuda_blockq_packet_equals_cpu(spec, in_dtype, n):
     assert np.array_equal(f32_bits(r_gpu.cpu().numpy()), f32_bits(r_cpu.numpy()))
     out_gpu, out_cpu = c.decode(p_gpu, numel=n), c.decode(p_cpu, numel=n)
     assert np.array_equal(f32_bits(out_gpu.cpu().numpy()), f32_bits(out_cpu.numpy()))
+
+
+@pytest.mark.parametrize("spec", ["onebit", "onebit:scale=mean_abs", "onebit:chunk=8", "onebit:chunk=4104",
+                                  "onebit:chunk=65536,scale=mean_abs"])
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 129, 4097, (1 << 20) + 3])
+def test_cuda_onebit_packet_equals_cpu(spec, in_dtype, n):
+    """onebit: the CUDA packet, residual and decode are bitwise those of the CPU backend (which
+    test_onebit.py checks against numpy.packbits and an fsum scale)."""
+    rng = np.random.default_rng(n + 3 * len(spec))
+    x32 = make_input("special", n, rng)
+    xt, _ = convert_input(x32, in_dtype, "torch")
+    r = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    c = gradcomp.Codec(spec)
+    r_gpu, r_cpu = torch.from_numpy(r.copy()).cuda(), torch.from_numpy(r.copy())
+    p_gpu = c.encode(xt.cuda(), residual=r_gpu, divisor=3)
+    p_cpu = c.encode(xt, residual=r_cpu, divisor=3)
+    assert np.array_equal(as_np_bytes(p_gpu.cpu()), as_np_bytes(p_cpu))
+    assert np.array_equal(f32_bits(r_gpu.cpu().numpy()), f32_bits(r_cpu.numpy()))
+    out_gpu, out_cpu = c.decode(p_gpu, numel=n), c.decode(p_cpu, numel=n)
+    assert np.array_equal(f32_bits(out_gpu.cpu().numpy()), f32_bits(out_cpu.numpy()))

@@ -11,7 +11,7 @@ and -0.0 count):
   - result, worker residual and server residual against the simulation, over several steps in a
     row (both residuals carry over), for W = 2, 3, 4 and numel 1, 13, 1000, 2^16 + 3, every codec
     (float32 buckets; none, fp16, bf16, topk:ratio=0.1, fp8, fp8:format=e5m2, fp8:scale=e8m0,
-    int8, int4), and bfloat16 buckets;
+    int8, int4, onebit, onebit:chunk=8,scale=mean_abs), and bfloat16 buckets;
   - the scheme's buffers against the slot layout: send slots, received slots, gathered slots;
   - the Compressor across a bucket rebuild, a dense flush, a checkpoint round trip (bit-exact, and
     folded into another layout), a non-finite step (restore / reset of both residuals);
@@ -33,8 +33,8 @@ worker's input, s the server residual of the element's chunk; float64), float32 
     subnormal spacing 2^-9 / 2^-16, d = amax / 448 (57344), e8m0 d <= 2 amax / 448); RNE errs
     by at most half a step, so these are bounds with a factor 2 to spare;
   - F = (W + 3) 2^-24 (X + |x''|) + 2^-140 covers the float32 operations;
-  - top-k has no such bound (what it drops stays in the residuals); it is checked bitwise against
-    the simulation only.
+  - top-k and onebit have no such bound (what they drop stays in the residuals); they are checked
+    bitwise against the simulation only.
 """
 
 import copy
@@ -60,7 +60,8 @@ from test_ddp_hook import (  # noqa: E402, F401
 SEED = 20261203
 CASTS = ["none", "fp16", "bf16"]
 QUANTIZERS = ["fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"]
-CODECS = CASTS + ["topk:ratio=0.1"] + QUANTIZERS
+ONEBIT = ["onebit", "onebit:chunk=8,scale=mean_abs"]  # bitwise vs the simulation; no elementwise bound
+CODECS = CASTS + ["topk:ratio=0.1"] + QUANTIZERS + ONEBIT
 NUMELS = [1, 13, 1000, 2 ** 16 + 3]
 STEPS = 3
 
@@ -282,7 +283,7 @@ def job_matrix(rank, world, spec):
             t = seeded_input(n, rank, step, 1)
             t2 = t.clone()
             sim, xps, s_full, out = compressed_step(comp, rank, world, spec, t, name, what)
-            if spec != "topk:ratio=0.1":
+            if spec != "topk:ratio=0.1" and spec not in ONEBIT:
                 check_bound(spec, xps, s_full, out, sim["xpp"], chunk_bounds(n, world), what)
             again.allreduce(t2, name).wait()  # run to run: a second compressor, the same inputs
             assert torch.equal(t2.view(torch.int32), t.view(torch.int32)), what + ": not deterministic run to run"

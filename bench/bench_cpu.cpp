@@ -3,8 +3,8 @@
 // (gradcomp::set_num_threads), next to a memcpy of the same buffer in the same run:
 //   encode, with and without error feedback: top-k (k = 1% and 0.1%) and the fp16 / bf16 casts of
 //     float32; the block quantizers fp8 (e4m3 and e5m2, block 128; e4m3 with e8m0 scales, block
-//     32), int8 and int4 (block 128) of float32 and bfloat16 input;
-//   decode (replace, into the input's dtype): the block quantizers, float32 and bfloat16.
+//     32), int8 and int4 (block 128), and onebit (one l2 scale) of float32 and bfloat16 input;
+//   decode (replace, into the input's dtype): the same codecs, float32 and bfloat16.
 //
 // Every benchmark reports bytes_per_second from the compulsory traffic (encode: x read, packet
 // written, residual read and written; decode: packet read, out written), and the counters
@@ -198,7 +198,8 @@ void BM_TopK_0p1pct(benchmark::State& s) { run_encode(s, "topk:ratio=0.001"); }
 void BM_Cast_fp16(benchmark::State& s) { run_encode(s, "fp16"); }
 void BM_Cast_bf16(benchmark::State& s) { run_encode(s, "bf16"); }
 
-const char* const kQuant[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"};
+const char* const kQuant[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit"};
+constexpr int kQuantCodecs = int(sizeof(kQuant) / sizeof(kQuant[0]));
 void BM_Quant_Encode(benchmark::State& s) { run_encode(s, kQuant[s.range(3)]); }
 void BM_Quant_Decode(benchmark::State& s) { run_decode(s, kQuant[s.range(2)]); }
 
@@ -210,7 +211,7 @@ void thread_args(benchmark::internal::Benchmark* b) {
 }
 void quant_encode_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"threads", "residual", "bf16", "codec"});
-  for (int c = 0; c < 5; ++c)
+  for (int c = 0; c < kQuantCodecs; ++c)
     for (int d : {0, 1})
       for (int t : {1, 2})
         for (int r : {0, 1}) b->Args({t, r, d, c});
@@ -218,7 +219,7 @@ void quant_encode_args(benchmark::internal::Benchmark* b) {
 }
 void quant_decode_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"threads", "bf16", "codec"});
-  for (int c = 0; c < 5; ++c)
+  for (int c = 0; c < kQuantCodecs; ++c)
     for (int d : {0, 1})
       for (int t : {1, 2}) b->Args({t, d, c});
   b->UseManualTime()->Unit(benchmark::kMillisecond);

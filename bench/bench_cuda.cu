@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Google Benchmark of the CUDA codecs (none / fp16 / bf16 encode and decode; the block quantizers
-// fp8 e4m3 / e5m2 / e8m0, int8, int4 encode of float32 and bfloat16 with and without error
+// fp8 e4m3 / e5m2 / e8m0, int8, int4 and onebit encode of float32 and bfloat16 with and without error
 // feedback and decode into float32 / bfloat16, at 2^26; top-k encode), timed
 // with CUDA events (manual time). Every benchmark reports GB/s of the bytes it must move and, as
 // the floor to compare with, the device-to-device copy bandwidth measured in the same run
@@ -199,7 +199,8 @@ void BM_TopKEncode(benchmark::State& st) {
 }
 
 // ---- block quantizers: encode (float32 / bfloat16 in, with and without error feedback), decode ----------
-const char* const kQuantSpecs[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"};
+const char* const kQuantSpecs[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit"};
+constexpr int kQuantCount = int(sizeof(kQuantSpecs) / sizeof(kQuantSpecs[0]));
 
 // args: n, codec, input dtype (0 float32, 1 bfloat16), residual (0/1)
 void BM_QuantEncode(benchmark::State& st) {
@@ -262,13 +263,13 @@ void BM_QuantDecode(benchmark::State& st) {
 }
 
 void QuantEncodeArgs(benchmark::internal::Benchmark* b) {
-  for (int c = 0; c < 5; ++c)
+  for (int c = 0; c < kQuantCount; ++c)
     for (int d : {0, 1})
       for (int r : {0, 1}) b->Args({int64_t(1) << 26, c, d, r});
   b->Args({int64_t(1) << 20, 0, 0, 1});
 }
 void QuantDecodeArgs(benchmark::internal::Benchmark* b) {
-  for (int c = 0; c < 5; ++c)
+  for (int c = 0; c < kQuantCount; ++c)
     for (int d : {0, 1}) b->Args({int64_t(1) << 26, c, d});
 }
 

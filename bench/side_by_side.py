@@ -10,6 +10,9 @@ Rows (float32 input of --numel elements, default 2^24, normal(0, 1), fixed seed)
   int8+ef  gradcomp ``int8`` (block 128) with error feedback  vs  torch: x' = x + r, per-block
            amax, d = amax / 127, ``round(x' / d).clamp(-127, 127).to(int8)``, r = x' - code * d
   fp8      gradcomp ``fp8`` without error feedback vs  the torch sequence without the residual
+  onebit+ef gradcomp ``onebit`` (one l2 scale) with error feedback  vs  DeepSpeed's compressed
+           allreduce worker step as torch ops: x' = x + r, s = ||x'|| / sqrt(n), r = x' - s * sign,
+           the signs packed MSB first (a bool -> uint8 view times bit weights, summed per byte)
 and the floor: ``torch`` copy of the same buffer (bytes read + written over time), measured in
 the same run. GB/s counts the compulsory traffic (x read + packet written, + the residual read
 and written with error feedback). Median of --reps runs
@@ -97,7 +100,20 @@ def main(argv=None) -> None:
             if residual:
                 torch.sub(src.view(-1, B), dd.view(-1, B).mul_(sc[:, None]), out=r_t.view(-1, B))
 
+        wts = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+        packed = torch.empty(n // 8, dtype=torch.uint8)
+        sgn = torch.empty(n)
+
+        def torch_onebit():
+            torch.add(x, r_t, out=xp)
+            s = torch.linalg.vector_norm(xp) / math.sqrt(n)
+            pos = xp >= 0  # DeepSpeed: sign(x) + 1 cast to bool (+1 for -0.0; NaN aside)
+            torch.sum(pos.view(-1, 8).to(torch.uint8) * wts, dim=1, dtype=torch.uint8, out=packed)
+            torch.where(pos, s, -s, out=sgn)
+            torch.sub(xp, sgn, out=r_t)
+
         rows += [
+            ("onebit+ef", "onebit", torch_onebit, "torch: norm, sign, packbits, r = x'-D"),
             ("fp8+ef", "fp8", lambda: torch_quant(448.0, True, True), "torch: amax, div, to(e4m3fn), r = x'-D"),
             ("int8+ef", "int8", lambda: torch_quant(127.0, False, True), "torch: amax, div, round, to(int8), r"),
             ("fp8", "fp8", lambda: torch_quant(448.0, True, False), "torch: amax, div, to(e4m3fn)"),

@@ -1,0 +1,8 @@
+"""gradcomp for DeepSpeed's 1-bit optimizers (OnebitAdam, ZeroOneAdam, OnebitLamb of DeepSpeed
+<= 0.19.6): :class:`OnebitBackend`, a drop-in for the ``comm_backend_handle`` those optimizers
+call, built on gradcomp's ``onebit`` codec over torch.distributed (gloo or NCCL; no cupy).
+See the README's DeepSpeed section."""
+
+from .backend import OnebitBackend
+
+__all__ = ["OnebitBackend"]

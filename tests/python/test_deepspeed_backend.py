@@ -1,0 +1,142 @@
+"""gradcomp.deepspeed.OnebitBackend against a pure-torch re-implementation of DeepSpeed's
+compressed_allreduce (reference/deepspeed.md section 1.2) written here, not calling gradcomp:
+padding to Np, buf += worker_error, scale = ||buf|| / sqrt(Np) over the padded length, the sign rule
+(sign(x) + 1 cast to bool: +-0.0 and NaN are +1), worker_error = buf - scale * sign, the
+all-to-all of sign chunks with the all-gather of scales, the server sum sign * (scale_j * (1/W))
+over ranks, + server_error, its scale and error, the all-gather and the output. Real gloo groups,
+W = 2 and 3, several calls in a row so both error buffers carry over, and DeepSpeed's golden
+example (W = 2, n = 13). Every rank's result is bitwise identical. Against the reference: the
+signs are equal; the scales are the RMS summed in binary64 here and in float32/float64 by
+torch.norm, so the results agree to a relative 2^-20 and the error buffers to 2^-20 of the
+magnitudes involved (stated tolerances)."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from test_ddp_hook import run, teardown_module  # noqa: E402, F401
+
+TOL = 2.0 ** -20
+
+
+def ds_sign(x):
+    """DeepSpeed's s(x): sign(x) + 1 cast to bool, then 2 (b - 0.5): +1 for +-0.0 and NaN."""
+    return (torch.sign(x) + 1).bool().float() * 2 - 1
+
+
+def reference_step(bufs, werrs, serrs):
+    """One call of DeepSpeed's compressed_allreduce on all W ranks at once (lists of tensors, one
+    per rank; the errors are updated in place). Returns the result of each rank (all equal)."""
+    W = len(bufs)
+    Np = werrs[0].numel()
+    C = Np // W
+    padded = []
+    scales = []
+    signs = []
+    for i in range(W):
+        b = torch.zeros(Np)
+        b[: bufs[i].numel()] = bufs[i].reshape(-1)
+        b += werrs[i]
+        s = torch.norm(b) / math.sqrt(Np)
+        sg = ds_sign(b)
+        werrs[i].copy_(b - s * sg)
+        padded.append(b)
+        scales.append(s)
+        signs.append(sg)
+    server_scales, server_signs = [], []
+    for r in range(W):
+        comp = torch.stack([signs[j][r * C:(r + 1) * C] * (scales[j] * (1.0 / W)) for j in range(W)]).sum(0)
+        comp += serrs[r]
+        s = torch.norm(comp) / math.sqrt(C)
+        sg = ds_sign(comp)
+        serrs[r].copy_(comp - s * sg)
+        server_scales.append(s)
+        server_signs.append(sg)
+    out = torch.cat([server_signs[j] * server_scales[j] for j in range(W)])
+    return [out[: bufs[i].numel()].reshape(bufs[i].shape) for i in range(W)]
+
+
+GOLDEN = [[-0.0, .375, -1, .25, -.625, .5, .25, .75, -.25, 2.125, .125, -.25, -.125],
+          [-1.375, -.125, .875, -.25, .625, -0.0, -1.5, -.25, .875, -.625, .625, .25, .125]]
+
+
+def job_against_reference(rank, world, n, calls, golden):
+    from gradcomp.deepspeed import OnebitBackend
+    backend = OnebitBackend()
+    assert backend.size == world and backend.rank == rank
+    div = 8 * world // math.gcd(8, world)  # DeepSpeed's optimizers: a multiple of W * lcm(W, 8)
+    Np = ((n + world * div - 1) // (world * div)) * (world * div)
+    werr, serr = torch.zeros(Np), torch.zeros(Np // world)
+    ref_w = [torch.zeros(Np) for _ in range(world)]
+    ref_s = [torch.zeros(Np // world) for _ in range(world)]
+    outs = []
+    for call in range(calls):
+        if golden:
+            xs = [torch.tensor(g) for g in GOLDEN]
+        else:
+            g = torch.Generator().manual_seed(1000 * call + n)
+            xs = [torch.randn(n, generator=g) for _ in range(world)]
+        want = reference_step([x.clone() for x in xs], ref_w, ref_s)
+        x = xs[rank].clone()
+        got = backend.compressed_allreduce(x, werr, serr, 0)
+        assert got.shape == xs[rank].shape
+        w = want[rank]
+        assert torch.equal(torch.sign(got), torch.sign(w)), f"call {call}: signs differ"
+        assert torch.allclose(got, w, rtol=TOL, atol=0), f"call {call}: {got[:4]} vs {w[:4]}"
+        # errors are differences of near-equal values: compare on the scale of the values involved
+        for e, r, what in ((werr, ref_w[rank], "worker"), (serr, ref_s[rank], "server")):
+            d = float((e - r).abs().max())
+            assert d <= TOL * (float(r.abs().max()) + float(w.abs().max())), f"call {call}: {what} error off by {d}"
+        if n == Np:
+            assert got.data_ptr() == x.data_ptr()  # written in place, as DeepSpeed does
+        allr = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(allr, got)
+        assert all(torch.equal(a.view(torch.int32), got.view(torch.int32)) for a in allr), "ranks differ"
+        outs.append(got.tolist())
+    assert float(werr.abs().sum()) > 0
+    if rank * (Np // world) < n:  # a chunk of padding only is constant: its server error is exactly 0
+        assert float(serr.abs().sum()) > 0
+    return outs
+
+
+@pytest.mark.parametrize("world,n", [(2, 13), (2, 16), (2, 1000), (3, 13), (3, 72), (3, 4099)])
+def test_backend_equals_the_reference_over_calls(world, n):
+    run(world, job_against_reference, n, 4, False)
+
+
+def test_golden_example():
+    """reference/deepspeed.md 1.2: W = 2, n = 13 -> Np = 16; call 1 and call 2 outputs."""
+    outs = run(2, job_against_reference, 13, 2, True)
+    call1 = [0.2355493, 0.2355493, -0.2355493, 0.2355493, -0.2355493, 0.2355493, 0.2355493, 0.2355493,
+             -0.4710879, 0.4710879, 0.4710879, -0.4710879, -0.4710879]
+    call2 = [-0.7710573, 0.7710573, 0.7710573, -0.7710573, 0.7710573, 0.7710573, -0.7710573, 0.7710573,
+             0.7898301, -0.7898301, 0.7898301, 0.7898301, 0.7898301]
+    for rank_out in outs:
+        assert rank_out[0] == pytest.approx(call1, abs=1e-6)
+        assert rank_out[1] == pytest.approx(call2, abs=1e-6)
+
+
+def job_edges(rank, world):
+    from gradcomp.deepspeed import OnebitBackend
+    b = OnebitBackend()
+    werr, serr = torch.ones(16), torch.ones(8)
+    empty = torch.empty(0)
+    assert b.compressed_allreduce(empty, werr, serr, 0) is empty
+    assert float(werr.abs().sum()) == 0 and float(serr.abs().sum()) == 0  # zeroed, no communication
+    for we, se, what in [(torch.zeros(12), torch.zeros(6), "multiple of 8"),
+                         (torch.zeros(16), torch.zeros(7), "server_error has 7"),
+                         (torch.zeros(8), torch.zeros(4), "at least"),
+                         (torch.zeros(16, dtype=torch.float64), torch.zeros(8), "float32")]:
+        with pytest.raises(ValueError, match=what):
+            b.compressed_allreduce(torch.ones(13), we, se, 0)
+    # a float16 buffer: computed in float32, returned in float16
+    got = b.compressed_allreduce(torch.ones(16, dtype=torch.float16), torch.zeros(16), torch.zeros(8), 0)
+    assert got.dtype == torch.float16 and torch.all(got == 1)
+    return True
+
+
+def test_edges():
+    assert run(2, job_edges) == [True, True]

@@ -150,7 +150,7 @@ void residual_update(int64_t len, const float* __restrict xp, const float* __res
 //! the division: the redo is frequent on bfloat16 input, whose quotients are often exact ties.)
 template <QuantKind K, bool HasRes, bool Div1>
 void quantize(int64_t len, const float* __restrict xp, const float* __restrict yb, const float* __restrict db,
-                    float div, float* __restrict r, uint8_t* __restrict cb) {
+              float div, float* __restrict r, uint8_t* __restrict cb) {
   if constexpr (kAvx512) {
 #if defined(GRADCOMP_BLOCKQ_AVX512)
     simd::codes_exact<K>(len, yb, db, cb);

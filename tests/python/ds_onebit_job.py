@@ -1,5 +1,6 @@
 """Helper of test_deepspeed_integration.py (not a test module): trains a small model with
-DeepSpeed 0.19.6's OneBitAdam or OneBitLamb on 2 CPU processes (gloo, DS_ACCELERATOR=cpu) with a
+DeepSpeed 0.19.6's OneBitAdam, OneBitLamb (freeze_step 2) or ZeroOneAdam (var_freeze_step 4,
+local-step interval doubling every 2 steps up to 2) on 2 CPU processes (gloo, DS_ACCELERATOR=cpu) with a
 1-bit backend put in place of deepspeed.runtime.comm.compressed.CompressedBackend, and prints one
 JSON line with each rank's losses, the engine's backward-allreduce flag per step, the sum of |error
 buffers| and the final parameters.
@@ -76,7 +77,10 @@ def worker(rank, world, port, opt_name, backend, q):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     cfg = {"train_batch_size": 16 * world, "train_micro_batch_size_per_gpu": 16,
            "optimizer": {"type": opt_name,
-                         "params": {"lr": 3e-4, "freeze_step": 2, "comm_backend_name": "compressed"}}}
+                         "params": ({"lr": 3e-4, "var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 2,
+                                     "local_step_clipper": 2, "comm_backend_name": "compressed"}
+                                    if opt_name == "ZeroOneAdam" else
+                                    {"lr": 3e-4, "freeze_step": 2, "comm_backend_name": "compressed"})}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(16, 16, generator=g)  # one fixed batch per rank: the loss must fall

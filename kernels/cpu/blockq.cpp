@@ -279,7 +279,6 @@ uint32_t encode_blocks(const BlockQPlan& p, const Src<In, HasRes, Div1>& src, ui
       clock.finish();
     }
     clock.report(T);
-    (void)nb;
     return flag;
   }
   // large blocks: per block a parallel amax, then a parallel quantization (two reads), in even

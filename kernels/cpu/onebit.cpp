@@ -121,8 +121,7 @@ uint32_t encode_t(const OnebitPlan& p, const EncodeArgs& a, uint8_t* bits, float
       pack_signs(yb, len, bits + i0 / 8);
       const double S = l2 ? tile_sum<true>(yb, len) : tile_sum<false>(yb, len);
       if (U == 1) {  // the chunk is this tile: scale and residual now
-        double v[kSumLanes] = {S};
-        const float s = common::chunk_scale(common::lane_tree(v), c1 - c0, l2);
+        const float s = common::chunk_scale(S, c1 - c0, l2);  // one tile: the lane rule over tiles is S + 0s
         scales[c] = s;
         flag |= chunk_nonfinite(s, div);
         if constexpr (HasRes) residual_tile<Div1>(xb, yb, len, s, div, r + i0);

@@ -1,11 +1,21 @@
-"""Helper of test_deepspeed_integration.py (not a test module): trains a small model with
-DeepSpeed 0.19.6's OneBitAdam, OneBitLamb (freeze_step 2) or ZeroOneAdam (var_freeze_step 4,
-local-step interval doubling every 2 steps up to 2) on 2 CPU processes (gloo, DS_ACCELERATOR=cpu) with a
-1-bit backend put in place of deepspeed.runtime.comm.compressed.CompressedBackend, and prints one
-JSON line with each rank's losses, the engine's backward-allreduce flag per step, the sum of |error
-buffers| and the final parameters.
+"""Helper of test_deepspeed_integration.py and test_optim_deepspeed.py (not a test module): trains
+a small model on 2 CPU processes (gloo) for 10 steps and prints one JSON line with each rank's
+losses, the dense-allreduce flag per step, the number of dense gradient allreduces the engine ran
+per step, the sum of |error buffers| and the final parameters.
 
-Usage: python ds_onebit_job.py OPTIMIZER BACKEND PORT   (BACKEND: gradcomp | reference)"""
+Modes (all: the same model, data and hyper-parameters: lr 3e-4, freeze_step 2):
+  gradcomp   DeepSpeed 0.19.6's OPTIMIZER (OneBitAdam, OneBitLamb or ZeroOneAdam: var_freeze_step
+             4, local-step interval doubling every 2 steps up to 2) with gradcomp's OnebitBackend
+             put in place of deepspeed.runtime.comm.compressed.CompressedBackend (DS_ACCELERATOR=cpu);
+  reference  the same with a pure-torch re-implementation of DeepSpeed's compressed allreduce;
+  install    the same with the reference backend at initialize, then gradcomp.deepspeed.install(engine);
+  plain      gradcomp.optim's OPTIMIZER (OnebitAdam, OnebitLamb) in a plain loop with torch.distributed;
+  ddp        gradcomp.optim's OPTIMIZER under DDP with gradcomp.optim.register_comm_hook;
+  client     gradcomp.optim's OPTIMIZER as the client optimizer of whatever DeepSpeed is first on
+             sys.path (the test puts 0.19.8 there), bound with gradcomp.deepspeed.install(engine);
+  client_torch_adam  torch.optim.Adam as the client optimizer: reports install()'s TypeError.
+
+Usage: python ds_onebit_job.py OPTIMIZER MODE PORT"""
 
 import json
 import math
@@ -60,56 +70,163 @@ class ReferenceBackend:
         return out[:n].reshape(shape)
 
 
-def worker(rank, world, port, opt_name, backend, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.runtime.comm.compressed as dsc
-
-    if backend == "gradcomp":
-        from gradcomp.deepspeed import OnebitBackend
-        dsc.CompressedBackend = OnebitBackend
-    else:
-        dsc.CompressedBackend = ReferenceBackend
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    cfg = {"train_batch_size": 16 * world, "train_micro_batch_size_per_gpu": 16,
-           "optimizer": {"type": opt_name,
-                         "params": ({"lr": 3e-4, "var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 2,
-                                     "local_step_clipper": 2, "comm_backend_name": "compressed"}
-                                    if opt_name == "ZeroOneAdam" else
-                                    {"lr": 3e-4, "freeze_step": 2, "comm_backend_name": "compressed"})}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+def data(rank):
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(16, 16, generator=g)  # one fixed batch per rank: the loss must fall
     y = torch.tanh(x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(5)))
-    losses, allreduce = [], []
-    for _ in range(10):
-        loss = (engine(x) - y).square().mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        allreduce.append(bool(engine.enable_backward_allreduce))
-    opt = engine.optimizer
+    return x, y
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def gradcomp_optimizer(opt_name, params, **kw):
+    import gradcomp.optim as go
+
+    cls = {"OneBitAdam": go.OnebitAdam, "OneBitLamb": go.OnebitLamb}[opt_name]
+    return cls(params, lr=3e-4, freeze_step=2, **kw)
+
+
+def error_sum(opt):
     err = 0.0
     for st in getattr(opt, "state", {}).values():
         for k in ("worker_error", "server_error"):
             if k in st:
                 err += float(st[k].abs().sum())
-    for k in ("worker_errors", "server_errors"):  # OnebitLamb keeps them on the optimizer
+    for k in ("worker_errors", "server_errors"):  # DeepSpeed's OnebitLamb keeps them on the optimizer
         for t in getattr(opt, k, []) or []:
             err += float(t.abs().sum())
-    q.put({"rank": rank, "losses": losses, "allreduce": allreduce, "error_sum": err,
-           "params": [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]})
+    for k in ("worker_error", "server_error"):  # gradcomp's OnebitLamb
+        t = getattr(opt, k, None)
+        if isinstance(t, torch.Tensor):
+            err += float(t.abs().sum())
+    return err
+
+
+def run_engine(rank, world, opt_name, mode):
+    import deepspeed
+
+    model = make_model()
+    client = None
+    if mode == "client_torch_adam":  # install() must refuse it, naming what to use
+        client = torch.optim.Adam(model.parameters(), lr=3e-4)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=client,
+                                               config={"train_batch_size": 16 * world,
+                                                       "train_micro_batch_size_per_gpu": 16})
+        from gradcomp.deepspeed import install
+
+        try:
+            install(engine)
+        except TypeError as e:
+            return {"install_error": str(e), "deepspeed": deepspeed.__version__}
+        return {"install_error": None, "deepspeed": deepspeed.__version__}
+    if mode == "client":
+        client = gradcomp_optimizer(opt_name, model.parameters())
+        cfg = {"train_batch_size": 16 * world, "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.0}
+    else:
+        import deepspeed.runtime.comm.compressed as dsc
+
+        if mode == "gradcomp":
+            from gradcomp.deepspeed import OnebitBackend
+            dsc.CompressedBackend = OnebitBackend
+        else:
+            dsc.CompressedBackend = ReferenceBackend
+        # no gradient clipping (DeepSpeed's default clips to norm 1.0), so that the runs compare
+        # with gradcomp.optim's in a plain loop
+        cfg = {"train_batch_size": 16 * world, "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.0,
+               "optimizer": {"type": opt_name,
+                             "params": ({"lr": 3e-4, "var_freeze_step": 4, "var_update_scaler": 1,
+                                         "local_step_scaler": 2, "local_step_clipper": 2,
+                                         "comm_backend_name": "compressed"}
+                                        if opt_name == "ZeroOneAdam" else
+                                        {"lr": 3e-4, "freeze_step": 2, "comm_backend_name": "compressed"})}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                           optimizer=client)
+    if mode in ("install", "client"):
+        from gradcomp.deepspeed import install
+
+        install(engine)
+    calls = [0]
+    inner = engine.allreduce_gradients
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return inner(*a, **k)
+
+    engine.allreduce_gradients = counted
+    x, y = data(rank)
+    losses, allreduce, dense_calls = [], [], []
+    for _ in range(int(os.environ.get("JOB_STEPS", "10"))):
+        calls[0] = 0
+        loss = (engine(x) - y).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        allreduce.append(bool(engine.enable_backward_allreduce))
+        dense_calls.append(calls[0])
+    return model, engine.optimizer, losses, allreduce, dense_calls, deepspeed.__version__
+
+
+def run_torch(rank, world, opt_name, mode):
+    import gradcomp.optim as go
+
+    model = make_model()
+    net = model
+    if mode == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = gradcomp_optimizer(opt_name, net.parameters())
+        go.register_comm_hook(net, opt)
+    else:
+        opt = gradcomp_optimizer(opt_name, model.parameters())
+    x, y = data(rank)
+    losses, allreduce, dense_calls = [], [], []
+    for _ in range(int(os.environ.get("JOB_STEPS", "10"))):
+        opt.zero_grad()
+        dense = not opt.compression_stage
+        loss = (net(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        allreduce.append(not opt.compression_stage)
+        dense_calls.append(int(dense))
+    return model, opt, losses, allreduce, dense_calls, None
+
+
+def worker(rank, world, port, opt_name, mode, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        if mode in ("plain", "ddp"):
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            model, opt, losses, allreduce, dense_calls, version = run_torch(rank, world, opt_name, mode)
+        else:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+            if mode == "client_torch_adam":
+                q.put(dict(run_engine(rank, world, opt_name, mode), rank=rank))
+                return
+            model, opt, losses, allreduce, dense_calls, version = run_engine(rank, world, opt_name, mode)
+        stats = opt.comm_stats() if hasattr(opt, "comm_stats") else None
+        q.put({"rank": rank, "losses": losses, "allreduce": allreduce, "dense_calls": dense_calls,
+               "error_sum": error_sum(opt), "deepspeed": version, "optimizer": type(opt).__name__,
+               "comm_stats": stats,
+               "params": [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]})
+    except BaseException as e:  # the parent prints it
+        import traceback
+
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        raise
 
 
 if __name__ == "__main__":
-    opt_name, backend, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    opt_name, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, opt_name, backend, q)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, opt_name, mode, q)) for r in range(2)]
     for p in procs:
         p.start()
     res = sorted((q.get(timeout=300) for _ in procs), key=lambda d: d["rank"])

@@ -1,16 +1,33 @@
-"""gradcomp.deepspeed.OnebitBackend inside DeepSpeed 0.19.6 itself (pinned in
-tests/requirements.txt): OneBitAdam and OneBitLamb with freeze_step=2, and ZeroOneAdam, on 2 CPU
-processes (gloo, DS_ACCELERATOR=cpu), the backend put in place of CompressedBackend with
-"comm_backend_name": "compressed", 10 steps (tests/python/ds_onebit_job.py runs them in a
-subprocess). Checked: the engine turns its own gradient allreduce off after the warm-up
-(ZeroOneAdam: on the same steps as with the reference backend), the error buffers are non-zero,
-the loss falls, both ranks end with bitwise equal parameters (not ZeroOneAdam, whose local steps
-leave the ranks apart), and every rank's parameters equal the same run with a pure-torch
-re-implementation of DeepSpeed's compressed allreduce (reference/deepspeed.md 1.2) to 1e-4, a few
-percent of the 8 compressed updates of lr = 3e-4 each (the scales may differ by a float32 ulp:
-binary64 sums against torch.norm, and Adam divides by a variance frozen after two steps, which
-amplifies it; seen: 1.5e-5)."""
+"""gradcomp inside DeepSpeed, on 2 CPU processes (gloo, DS_ACCELERATOR=cpu), 10 steps, lr 3e-4,
+freeze_step 2, no gradient clipping (tests/python/ds_onebit_job.py runs each training in a
+subprocess).
 
+DeepSpeed 0.19.6 (pinned in tests/requirements.txt), its own OneBitAdam, OneBitLamb and
+ZeroOneAdam:
+  - with gradcomp.deepspeed.OnebitBackend put in place of CompressedBackend ("comm_backend_name":
+    "compressed"): the engine turns its gradient allreduce off after the warm-up (ZeroOneAdam: on
+    the same steps as with the reference backend), the error buffers are non-zero, the loss falls,
+    both ranks end with bitwise equal parameters (not ZeroOneAdam, whose local steps leave the
+    ranks apart), and every rank's parameters equal the same run with a pure-torch
+    re-implementation of DeepSpeed's compressed allreduce (reference/deepspeed.md 1.2) to 1e-4, a
+    few percent of the 8 compressed updates of lr = 3e-4 each (the scales may differ by a float32
+    ulp: binary64 sums against torch.norm, and Adam divides by a variance frozen after two steps,
+    which amplifies it; seen: 1.5e-5);
+  - gradcomp.deepspeed.install(engine) after initialize (the engine built with the reference
+    backend) gives bitwise the run above.
+gradcomp.optim's OnebitAdam and OnebitLamb (the semantics DeepSpeed 0.19.7 removed):
+  - in a plain loop and under DDP with register_comm_hook: bitwise equal to DeepSpeed 0.19.6's
+    optimizer with the gradcomp backend (the same float32 operations in the same order; the
+    tolerance is 0);
+  - as the client optimizer of DeepSpeed 0.19.8 (installed by tests/setup.sh with --no-deps into
+    .venv/deepspeed-0.19.8 and put first on PYTHONPATH), bound by install(engine): the engine runs
+    its dense gradient allreduce on the two warm-up steps and never after, and the parameters are
+    bitwise those of the plain loop; install(engine) refuses torch.optim.Adam there with a
+    TypeError that names the removal and gradcomp.optim.
+"""
+
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -21,32 +38,81 @@ import pytest
 pytest.importorskip("deepspeed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DS_CURRENT = os.path.join(sys.prefix, "deepspeed-0.19.8")
+_ports = itertools.count(29611, 7)
 
 
-def train(opt, backend, port):
+@functools.lru_cache(maxsize=None)
+def train(opt, mode):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "ds_onebit_job.py"), opt, backend, str(port)],
+    if mode.startswith("client"):
+        assert os.path.isdir(os.path.join(DS_CURRENT, "deepspeed")), \
+            f"{DS_CURRENT} is missing: tests/setup.sh installs DeepSpeed 0.19.8 there"
+        env["PYTHONPATH"] = os.pathsep.join([DS_CURRENT] + [x for x in [env.get("PYTHONPATH")] if x])
+    p = subprocess.run([sys.executable, os.path.join(HERE, "ds_onebit_job.py"), opt, mode, str(next(_ports))],
                        capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, p.stdout[-2000:] + p.stderr[-2000:]
     return json.loads(line[-1][len("RESULT "):])
 
 
-@pytest.mark.parametrize("opt,port", [("OneBitAdam", 29611), ("OneBitLamb", 29631), ("ZeroOneAdam", 29651)])
-def test_onebit_optimizers_train_with_the_gradcomp_backend(opt, port):
-    got = train(opt, "gradcomp", port)
-    ref = train(opt, "reference", port + 10)
+def max_diff(a, b):
+    return max(abs(x - y) for x, y in zip(a["params"], b["params"]))
+
+
+@pytest.mark.parametrize("opt", ["OneBitAdam", "OneBitLamb", "ZeroOneAdam"])
+def test_onebit_optimizers_train_with_the_gradcomp_backend(opt):
+    got = train(opt, "gradcomp")
+    ref = train(opt, "reference")
     for r in got:
+        assert r["deepspeed"] == "0.19.6"
         assert r["error_sum"] > 0
         assert r["losses"][-1] < r["losses"][0], r["losses"]
     if opt != "ZeroOneAdam":  # 0/1 Adam takes local steps between synchronizations: ranks differ
         for r in got:
             assert r["allreduce"][0] and not any(r["allreduce"][2:]), r["allreduce"]  # off after the freeze
+            assert r["dense_calls"] == [1, 1] + [0] * 8, r["dense_calls"]
         assert got[0]["params"] == got[1]["params"], "ranks differ"
         assert ref[0]["params"] == ref[1]["params"]
     else:  # the engine allreduces only on the variance-update steps; the same steps with both backends
         assert [r["allreduce"] for r in got] == [r["allreduce"] for r in ref]
     for g, f in zip(got, ref):
-        diff = max(abs(a - b) for a, b in zip(g["params"], f["params"]))
+        diff = max_diff(g, f)
         assert diff <= 1e-4, f"gradcomp backend vs the pure-torch reference: max |param diff| {diff}"
+
+
+def test_install_puts_the_backend_under_an_engine():
+    inst, direct = train("OneBitAdam", "install"), train("OneBitAdam", "gradcomp")
+    for a, b in zip(inst, direct):
+        assert a["params"] == b["params"] and a["losses"] == b["losses"]
+
+
+@pytest.mark.parametrize("opt", ["OneBitAdam", "OneBitLamb"])
+@pytest.mark.parametrize("mode", ["plain", "ddp"])
+def test_gradcomp_optim_equals_deepspeed(opt, mode):
+    ds, mine = train(opt, "gradcomp"), train(opt, mode)
+    for a, b in zip(ds, mine):
+        assert b["optimizer"] == {"OneBitAdam": "OnebitAdam", "OneBitLamb": "OnebitLamb"}[opt]
+        assert max_diff(a, b) == 0.0, f"{mode} vs DeepSpeed 0.19.6: max |param diff| {max_diff(a, b)}"
+        assert a["losses"] == b["losses"]
+        assert b["error_sum"] == a["error_sum"] and b["error_sum"] > 0
+        assert b["comm_stats"]["compressed_steps"] == 8 and b["comm_stats"]["compressed_sent_bytes"] > 0
+
+
+@pytest.mark.parametrize("opt", ["OneBitAdam", "OneBitLamb"])
+def test_client_optimizer_on_current_deepspeed(opt):
+    got, plain = train(opt, "client"), train(opt, "plain")
+    for a, b in zip(got, plain):
+        assert a["deepspeed"] == "0.19.8"
+        assert a["dense_calls"] == [1, 1] + [0] * 8, a["dense_calls"]  # no dense gradient after the warm-up
+        assert a["allreduce"] == [True] + [False] * 9
+        assert a["params"] == b["params"], f"client optimizer vs plain loop: {max_diff(a, b)}"
+        assert a["comm_stats"]["dense_sent_bytes"] == 0.0  # the engine averaged the warm-up
+
+
+def test_install_refuses_other_optimizers_on_current_deepspeed():
+    for r in train("Adam", "client_torch_adam"):
+        assert r["deepspeed"] == "0.19.8"
+        msg = r["install_error"]
+        assert msg and "Adam" in msg and "0.19.7" in msg and "gradcomp.optim.OnebitAdam" in msg, msg

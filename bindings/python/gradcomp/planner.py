@@ -160,6 +160,25 @@ def bucket_bytes(scheme: str, codec, numel: int, dtype: Any, world_size: int) ->
     return {"dense_bytes": dense, "packet_bytes": packet, "sent_bytes": sent, "ring_bytes": ring}
 
 
+def onebit_allreduce_bytes(codec, padded_numel: int, world_size: int) -> float:
+    """Bytes one rank sends in one DeepSpeed-style error-compensated 1-bit allreduce as
+    :class:`gradcomp.deepspeed.OnebitBackend` runs it (also the compressed momentum exchange of
+    :mod:`gradcomp.optim`): a buffer of ``padded_numel`` = Np elements (a multiple of 8 W) cut
+    into W chunks of C = Np / W; the all-to-all carries each chunk's sign bits and the sender's
+    float32 scale, C / 8 + 4 bytes, to its owner ((W-1) (C/8 + 4)); the ring all-gather carries
+    each owner's re-encoded chunk, one ``codec`` packet of C float32 elements ((W-1) *
+    ``codec.packet_bytes(C, "float32")``). 0.0 for W = 1 (nothing is sent).
+
+    Raises:
+        ValueError: ``padded_numel`` not a multiple of 8 W.
+    """
+    Np, W = int(padded_numel), int(world_size)
+    if Np % (8 * W) != 0:
+        raise ValueError(f"planner: padded_numel={Np} is not a multiple of 8 * world size = {8 * W}")
+    C = Np // W
+    return float(all_gather_bytes(C // 8 + 4, W) + all_gather_bytes(int(codec.packet_bytes(C, "float32")), W))
+
+
 def choose_scheme(codec, numel: int, dtype: Any, world_size: int, requested: str = "auto",
                   min_compress_numel: int = 1024) -> str:
     """The scheme a bucket of ``numel`` elements of ``dtype`` takes once compression is on.

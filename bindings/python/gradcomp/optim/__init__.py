@@ -1,0 +1,29 @@
+"""1-bit Adam and 1-bit LAMB as torch.optim optimizers, with DeepSpeed 0.19.6's semantics
+(DeepSpeed 0.19.7 removed them, PR 8490; tracking issue 8489), for plain torch.distributed
+loops, DDP and current DeepSpeed.
+
+- :class:`OnebitAdam`: Tang et al., "1-bit Adam", ICML 2021, Algorithm 1.
+- :class:`OnebitLamb`: Li et al., "1-bit LAMB", arXiv 2104.06069, Algorithm 1.
+
+Both start with DeepSpeed's initialisation step (no update), then a dense warm-up until the step
+count reaches ``freeze_step``, then the compression stage: gradients stay local and the momentum
+is averaged with DeepSpeed's error-compensated 1-bit compressed allreduce (worker and server
+errors, :class:`gradcomp.deepspeed.OnebitBackend`, gradcomp's ``onebit`` codec), 1 bit per
+element plus one float32 scale per rank and chunk on the wire.
+
+Three ways to run them:
+  - a plain loop: ``opt = OnebitAdam(model.parameters(), ...)``; ``step()`` averages the
+    warm-up gradients itself (``average_gradients=True``);
+  - DDP: :func:`register_comm_hook` ``(ddp_model, opt)``: the hook averages during the warm-up
+    and leaves the gradients local afterwards;
+  - DeepSpeed (any version) as a client optimizer: ``engine, *_ = deepspeed.initialize(model=m,
+    optimizer=opt, config=...)`` then :func:`gradcomp.deepspeed.install` ``(engine)``: the
+    engine averages during the warm-up and its gradient allreduce is off afterwards.
+``opt.comm_stats()`` reports the bytes this rank sent.
+"""
+
+from .adam import OnebitAdam
+from .hook import onebit_comm_hook, register_comm_hook
+from .lamb import OnebitLamb
+
+__all__ = ["OnebitAdam", "OnebitLamb", "onebit_comm_hook", "register_comm_hook"]

@@ -1,0 +1,191 @@
+"""What :class:`~gradcomp.optim.OnebitAdam` and :class:`~gradcomp.optim.OnebitLamb` share: the
+process group and DeepSpeed's padding rule, the warm-up gradient averaging, the switch to the
+compression stage (and a bound DeepSpeed engine's allreduce flag), byte accounting, and the
+state_dict that keeps the error buffers.
+
+Not public: use the two optimizers, :func:`gradcomp.optim.register_comm_hook` and
+:func:`gradcomp.deepspeed.install`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import planner
+
+
+class OnebitOptimizer(torch.optim.Optimizer):
+    """Base of the 1-bit optimizers (see :mod:`gradcomp.optim`).
+
+    Args:
+        params, defaults: as ``torch.optim.Optimizer``.
+        freeze_step: the step count (DeepSpeed's ``state['step']``, the initialisation step
+            included) after which the compression stage starts; an int >= 1.
+        group: the data-parallel process group (default: the world; world size 1 when
+            torch.distributed is not initialized: then nothing is communicated).
+        average_gradients: whether ``step()`` itself averages the gradients over the group
+            during the warm-up (a plain training loop). False when something else averages them:
+            DDP (with :func:`register_comm_hook`, which leaves them local after the warm-up) or a
+            DeepSpeed engine (:func:`gradcomp.deepspeed.install` sets it).
+
+    Raises:
+        ValueError: freeze_step not an int >= 1.
+    """
+
+    _KIND = "1-bit optimizer"
+
+    def __init__(self, params, defaults: dict, freeze_step: int, group=None, average_gradients: bool = True):
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(f"gradcomp.optim.{type(self).__name__}: freeze_step={freeze_step!r}; accepted: an "
+                             f"int >= 1 (the number of steps, the first, initialisation step included, before "
+                             f"the compression stage)")
+        super().__init__(params, defaults)
+        self.freeze_step = freeze_step
+        self.group = group
+        self.average_gradients = bool(average_gradients)
+        if dist.is_available() and dist.is_initialized():
+            self.size = dist.get_world_size(group)
+        else:
+            self.size = 1
+        # DeepSpeed's padding: every compressed buffer is a multiple of W * lcm(W, 8) elements
+        self.divider = self.size * 8 // math.gcd(self.size, 8)
+        self._backend = None
+        self.initialized = False  # DeepSpeed's "initialize": False until the initialisation step
+        self.compression_stage = False  # DeepSpeed's adam_freeze_key / lamb_freeze_key after init
+        self._engine = None
+        self._stats = {"steps": 0, "warmup_steps": 0, "compressed_steps": 0, "dense_sent_bytes": 0.0,
+                       "compressed_sent_bytes": 0.0}
+
+    # -- communication -------------------------------------------------------------------------
+    @property
+    def backend(self):
+        """The :class:`gradcomp.deepspeed.OnebitBackend` this optimizer compresses through
+        (created on first use; None for world size 1)."""
+        if self._backend is None and self.size > 1:
+            from ..deepspeed.backend import OnebitBackend
+
+            self._backend = OnebitBackend(group=self.group)
+        return self._backend
+
+    def padded_numel(self, numel: int) -> int:
+        """``numel`` rounded up to DeepSpeed's multiple of ``W * lcm(W, 8)`` elements."""
+        m = self.size * self.divider
+        return int(numel) + (-int(numel)) % m
+
+    def _compressed_allreduce(self, buf: torch.Tensor, worker_error: torch.Tensor,
+                              server_error: torch.Tensor) -> torch.Tensor:
+        out = self.backend.compressed_allreduce(buf, worker_error, server_error, None)
+        self._stats["compressed_sent_bytes"] += planner.onebit_allreduce_bytes(
+            self.backend.codec, worker_error.numel(), self.size)
+        return out
+
+    def _average(self, tensors: List[torch.Tensor]) -> None:
+        """Mean over the group, in place: one allreduce per (dtype, device) of the flattened
+        tensors, then a multiply by fl(1 / W) (as DeepSpeed's non_freeze path does)."""
+        if self.size == 1 or not tensors:
+            return
+        by_kind: Dict[tuple, List[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for ts in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            dist.all_reduce(flat, group=self.group)
+            flat.mul_(1.0 / self.size)
+            self.count_dense(flat.numel() * flat.element_size())
+            off = 0
+            for t in ts:
+                t.copy_(flat[off: off + t.numel()].view_as(t))
+                off += t.numel()
+
+    def count_dense(self, nbytes: int) -> None:
+        """Adds one dense ring allreduce of ``nbytes`` bytes to :meth:`comm_stats` (called by the
+        DDP hook for the buckets it averages)."""
+        self._stats["dense_sent_bytes"] += planner.ring_allreduce_bytes(nbytes, self.size)
+
+    def comm_stats(self) -> dict:
+        """Bytes this rank sent (the planner's formulas) and step counts: ``{"steps",
+        "warmup_steps", "compressed_steps", "dense_sent_bytes", "compressed_sent_bytes",
+        "sent_bytes", "sent_bytes_per_step"}``. Dense bytes are the warm-up averaging (by
+        ``step()`` or by :func:`register_comm_hook`'s hook) and non_freeze groups; compressed
+        bytes the 1-bit momentum exchanges. Gradients a DeepSpeed engine averages are not
+        counted here."""
+        s = dict(self._stats)
+        s["sent_bytes"] = s["dense_sent_bytes"] + s["compressed_sent_bytes"]
+        s["sent_bytes_per_step"] = s["sent_bytes"] / s["steps"] if s["steps"] else float("nan")
+        return s
+
+    # -- stage switch and DeepSpeed --------------------------------------------------------------
+    def bind_engine(self, engine) -> None:
+        """Lets a DeepSpeed engine average the warm-up gradients and turns its gradient
+        allreduce off for the compression stage (``engine.enable_backward_allreduce``, or
+        ``pipeline_enable_backward_allreduce`` for a pipeline engine), as DeepSpeed's own
+        optimizers do. Use :func:`gradcomp.deepspeed.install`, which checks the world size."""
+        self._engine = engine
+        self.average_gradients = False
+        self._set_engine_allreduce(not self.compression_stage)
+
+    def _set_engine_allreduce(self, on: bool) -> None:
+        e = self._engine
+        if e is None:
+            return
+        if hasattr(e, "pipeline_enable_backward_allreduce"):
+            e.pipeline_enable_backward_allreduce = on
+        else:
+            e.enable_backward_allreduce = on
+
+    def _after_step(self, step: int) -> None:
+        """DeepSpeed's switch: once the step count reaches freeze_step the next steps compress."""
+        if not self.compression_stage and step >= self.freeze_step:
+            self.compression_stage = True
+            self._set_engine_allreduce(False)
+
+    def _stage_from_step(self, step: int) -> None:
+        self.compression_stage = self.initialized and step >= self.freeze_step
+        self._set_engine_allreduce(not self.compression_stage)
+
+    @staticmethod
+    def _grads(group) -> List[torch.Tensor]:
+        out = []
+        for p in group["params"]:
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError("gradcomp.optim: sparse gradients are not supported (1-bit compression "
+                                       "needs dense tensors)")
+                out.append(p.grad)
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _keep_masks(self, state_dict: dict) -> dict:
+        """DeepSpeed's rule: a param group's ``exp_avg_mask`` is always the one of the running
+        optimizer, never the checkpoint's."""
+        state_dict = dict(state_dict)
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"gradcomp.optim.{type(self).__name__}.load_state_dict: the checkpoint has "
+                             f"{len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
+        for g, mine in zip(groups, self.param_groups):
+            if "exp_avg_mask" in mine:
+                g["exp_avg_mask"] = mine["exp_avg_mask"]
+            else:
+                g.pop("exp_avg_mask", None)
+        state_dict["param_groups"] = groups
+        return state_dict
+
+    def _check_error(self, name: str, t, numel: int) -> Optional[torch.Tensor]:
+        """A checkpointed error buffer if it fits this world size's padding, else None with a
+        warning (a checkpoint from another world size: the buffers restart at zero, as
+        DeepSpeed's always do)."""
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or t.numel() != numel:
+            got = t.numel() if isinstance(t, torch.Tensor) else type(t).__name__
+            warnings.warn(f"gradcomp.optim.{type(self).__name__}.load_state_dict: {name} holds {got} elements, "
+                          f"this world size ({self.size}) needs {numel}: the error buffers restart at zero",
+                          stacklevel=3)
+            return None
+        return t

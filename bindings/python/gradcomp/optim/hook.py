@@ -1,0 +1,52 @@
+"""The DDP communication hook of the 1-bit optimizers: during the warm-up it averages each bucket
+(a dense allreduce, as DDP's default hook); in the compression stage it sends nothing and leaves
+the local gradient in place, because the optimizer then exchanges its compressed momentum itself
+(so nothing is sent twice)."""
+
+
+import torch
+import torch.distributed as dist
+
+from ._base import OnebitOptimizer
+
+
+def onebit_comm_hook(state: OnebitOptimizer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook with a gradcomp 1-bit optimizer as its state (``ddp.register_comm_hook(opt,
+    onebit_comm_hook)``; construct the optimizer with ``average_gradients=False``, or use
+    :func:`register_comm_hook`, which does both).
+
+    Returns a Future of the bucket's flat buffer (its dtype and length): the mean over the
+    optimizer's group while ``state.compression_stage`` is False, the untouched local gradient
+    after."""
+    buf = bucket.buffer()
+    if state.compression_stage or state.size == 1:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+    state.count_dense(buf.numel() * buf.element_size())
+    W = state.size
+    work = dist.all_reduce(buf, group=state.group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0].div_(W))
+
+
+def register_comm_hook(ddp_model, optimizer: OnebitOptimizer) -> None:
+    """Registers :func:`onebit_comm_hook` on ``ddp_model`` with ``optimizer`` as its state and
+    sets ``optimizer.average_gradients = False`` (DDP then averages the warm-up gradients).
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel, or ``optimizer`` not a
+            gradcomp.optim optimizer.
+        ValueError: the DDP process group's world size differs from the optimizer's.
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"gradcomp.optim.register_comm_hook: ddp_model is a {type(ddp_model).__name__}; accepted: "
+                        f"torch.nn.parallel.DistributedDataParallel")
+    if not isinstance(optimizer, OnebitOptimizer):
+        raise TypeError(f"gradcomp.optim.register_comm_hook: optimizer is a {type(optimizer).__name__}; accepted: "
+                        f"gradcomp.optim.OnebitAdam or OnebitLamb")
+    w = ddp_model.process_group.size()
+    if w != optimizer.size:
+        raise ValueError(f"gradcomp.optim.register_comm_hook: DDP's process group has world size {w}, the "
+                         f"optimizer's {optimizer.size}; pass the same group to both")
+    optimizer.average_gradients = False
+    ddp_model.register_comm_hook(optimizer, onebit_comm_hook)

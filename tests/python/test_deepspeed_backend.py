@@ -140,3 +140,69 @@ def job_edges(rank, world):
 
 def test_edges():
     assert run(2, job_edges) == [True, True]
+
+
+class _Engine:
+    """A stand-in for a DeepSpeed engine: the attributes install() reads."""
+
+    def __init__(self, opt, dp_world_size=1):
+        self.basic_optimizer = opt
+        self.mpu = None
+        self.dp_world_size = dp_world_size
+        self.enable_backward_allreduce = True
+
+
+def job_install(rank, world):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.onebit.adam import OnebitAdam as DsAdam
+    from deepspeed.runtime.fp16.onebit.lamb import OnebitLamb as DsLamb
+
+    import gradcomp.optim as go
+    from gradcomp.deepspeed import OnebitBackend, install
+
+    out = {}
+    # another optimizer: a TypeError naming it and what is accepted
+    with pytest.raises(TypeError, match=r"SGD; accepted: DeepSpeed's OnebitAdam, ZeroOneAdam, OnebitLamb"):
+        install(_Engine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)))
+    with pytest.raises(TypeError, match="has no optimizer"):
+        install(_Engine(None))
+    # DeepSpeed's optimizers (built without their constructor, which needs an engine and cupy)
+    for cls in (DsAdam, DsLamb):
+        opt = object.__new__(cls)
+        opt.initialize, opt.size, opt.comm_backend_handle = False, world, None
+        b = install(_Engine(opt, world))
+        out[cls.__name__] = isinstance(b, OnebitBackend) and opt.comm_backend_handle is b and b.size == world
+        opt.comm_backend_handle, opt.size = None, world + 1  # padded for another world size
+        with pytest.raises(ValueError, match=f"world size {world}, {cls.__name__} padded its buffers for {world + 1}"):
+            install(_Engine(opt, world))
+        opt.size, opt.initialize = world, True  # already stepped
+        with pytest.raises(RuntimeError, match="already stepped"):
+            install(_Engine(opt, world))
+    # gradcomp's optimizer: bound; a mismatching data-parallel size is refused
+    mine = go.OnebitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=2)
+    eng = _Engine(mine, world)
+    assert install(eng) is mine and not mine.average_gradients and eng.enable_backward_allreduce
+    with pytest.raises(ValueError, match=f"data-parallel world size is {world + 1}"):
+        install(_Engine(go.OnebitAdam([torch.nn.Parameter(torch.zeros(3))]), world + 1))
+    # the engine's flag follows the stage: off once the step count reaches freeze_step
+    p = mine.param_groups[0]["params"][0]
+    p.grad = torch.ones(3)
+    mine.step()
+    mine.step()
+    out["engine_off_after_freeze"] = mine.compression_stage and not eng.enable_backward_allreduce
+    # world size 1: DeepSpeed's backend still compresses (its optimizers skip the call): +-scale
+    if world == 1:
+        b = OnebitBackend()
+        x = torch.tensor([1.0, -2.0, 3.0, -4.0, 0.0, -0.0, 5.0, -6.0])
+        got = b.compressed_allreduce(x.clone(), torch.zeros(8), torch.zeros(8), 0)
+        s = float(torch.norm(x) / math.sqrt(8))
+        sign = torch.tensor([1.0, -1, 1, -1, 1, 1, 1, -1])
+        s2 = float(torch.norm(s * sign) / math.sqrt(8))
+        out["w1"] = torch.allclose(got, s2 * sign, rtol=2 ** -20)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_install(world):
+    for r in run(world, job_install):
+        assert r and all(r.values()), r

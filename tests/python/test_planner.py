@@ -198,3 +198,17 @@ def test_choose_scheme_two_phase_boundary():
     assert planner.choose_scheme(codec, 33, torch.float32, 2, "auto", 0) == "two_phase"
     assert codec.properties["linear"] is False and codec.properties["sparse"] is False
     assert gradcomp.Codec("topk:k=1").properties["sparse"] is True
+
+
+def test_onebit_allreduce_bytes():
+    from gradcomp import Codec, planner
+
+    c = Codec("onebit")
+    # W = 4, Np = 4096: each rank sends 3 chunks of 1024 / 8 sign bytes + a 4-byte scale, then its
+    # re-encoded 1024-element chunk to 3 ranks: a packet of the 32-byte header, 128 sign bytes and
+    # one float32 scale, padded to 16 bytes (176)
+    assert c.packet_bytes(1024) == 176
+    assert planner.onebit_allreduce_bytes(c, 4096, 4) == 3 * (128 + 4) + 3 * 176
+    assert planner.onebit_allreduce_bytes(c, 16, 1) == 0.0
+    with pytest.raises(ValueError, match="padded_numel=40 is not a multiple of 8 \\* world size = 32"):
+        planner.onebit_allreduce_bytes(c, 40, 4)

@@ -85,6 +85,9 @@ def make_model():
 def gradcomp_optimizer(opt_name, params, **kw):
     import gradcomp.optim as go
 
+    if opt_name == "ZeroOneAdam":
+        return go.ZeroOneAdam(params, lr=3e-4, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2,
+                              local_step_clipper=2, **kw)
     cls = {"OneBitAdam": go.OnebitAdam, "OneBitLamb": go.OnebitLamb}[opt_name]
     return cls(params, lr=3e-4, freeze_step=2, **kw)
 
@@ -184,12 +187,12 @@ def run_torch(rank, world, opt_name, mode):
     losses, allreduce, dense_calls = [], [], []
     for _ in range(int(os.environ.get("JOB_STEPS", "10"))):
         opt.zero_grad()
-        dense = not opt.compression_stage
+        dense = opt.dense_next
         loss = (net(x) - y).square().mean()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        allreduce.append(not opt.compression_stage)
+        allreduce.append(opt.dense_next)
         dense_calls.append(int(dense))
     return model, opt, losses, allreduce, dense_calls, None
 

@@ -137,6 +137,10 @@ def test_bad_arguments():
         for cls in (go.OnebitAdam, go.OnebitLamb):
             with pytest.raises(ValueError, match=word.replace("(", r"\(").replace(")", r"\)")):
                 cls(ps, **kw)
+    for kw, word in [({"var_update_scaler": 0}, "var_update_scaler=0"), ({"local_step_clipper": 1.5},
+                      "local_step_clipper=1.5"), ({"var_freeze_step": -1}, "var_freeze_step=-1"), ({"lr": -1.0}, "lr=-1.0")]:
+        with pytest.raises(ValueError, match=word):
+            go.ZeroOneAdam(ps, **kw)
     with pytest.raises(ValueError, match="min_coeff"):
         go.OnebitLamb(ps, min_coeff=2.0, max_coeff=1.0)
     with pytest.raises(ValueError, match="several dtypes"):
@@ -360,3 +364,32 @@ def test_example_onebit_adam_runs():
     b = re.search(r"Adam (\d+), 1-bit Adam (\d+)", out)
     # Adam: 2 (W-1)/W * 4 bytes * 85002 parameters; 1-bit Adam: 12 dense steps of 80, the rest 1-bit
     assert int(b.group(1)) == 4 * 85002 and int(b.group(2)) < int(b.group(1)) / 4, out
+
+
+def job_zoadam_round_trip(rank, world):
+    import gradcomp.optim as go
+
+    kw = dict(lr=1e-3, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2, local_step_clipper=2)
+    model = _model()
+    opt = go.ZeroOneAdam(model.parameters(), **kw)
+    dense = []
+    for t in range(1, 8):
+        dense.append(opt.dense_next)
+        _train(model, opt, rank, 1, start=t)
+    sd = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = go.ZeroOneAdam(model2.parameters(), **kw)
+    opt2.load_state_dict(sd)
+    _train(model, opt, rank, 4, start=8)
+    _train(model2, opt2, rank, 4, start=8)
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    errs = all(torch.equal(opt.state[p]["worker_error"], opt2.state[q]["worker_error"])
+               for p, q in zip(model.parameters(), model2.parameters()))
+    return dense, opt.compression_stage, same, errs
+
+
+def test_zero_one_adam_schedule_and_round_trip():
+    for dense, frozen, same, errs in run(2, job_zoadam_round_trip):
+        # var_interval doubles after every variance update: variance steps 1 (init), 2, 4; frozen after 4
+        assert dense == [True, True, False, True, False, False, False], dense
+        assert frozen and same and errs

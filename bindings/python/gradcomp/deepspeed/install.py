@@ -73,7 +73,7 @@ def install(engine):
 
         raise TypeError(f"gradcomp.deepspeed.install: the engine's optimizer is {type(opt).__name__}, and DeepSpeed "
                         f"{deepspeed.__version__} has no 1-bit optimizers (DeepSpeed 0.19.7 removed them, PR 8490); "
-                        f"use gradcomp.optim.OnebitAdam or OnebitLamb: deepspeed.initialize(..., optimizer="
+                        f"use gradcomp.optim.OnebitAdam, OnebitLamb or ZeroOneAdam: deepspeed.initialize(..., optimizer="
                         f"gradcomp.optim.OnebitAdam(model.parameters(), ...)), then install(engine)")
     if not isinstance(opt, classes):
         raise TypeError(f"gradcomp.deepspeed.install: the engine's optimizer is {type(opt).__name__}; accepted: "

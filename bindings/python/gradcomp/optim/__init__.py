@@ -4,8 +4,11 @@ loops, DDP and current DeepSpeed.
 
 - :class:`OnebitAdam`: Tang et al., "1-bit Adam", ICML 2021, Algorithm 1.
 - :class:`OnebitLamb`: Li et al., "1-bit LAMB", arXiv 2104.06069, Algorithm 1.
+- :class:`ZeroOneAdam`: Lu et al., "0/1 Adam", ICLR 2023 (arXiv 2202.06009), Algorithm 1: the
+  variance updated (and the gradient averaged densely) only on exponentially spaced steps, 1-bit
+  averaged gradients on the others, then local steps synchronised by the 1-bit exchange.
 
-Both start with DeepSpeed's initialisation step (no update), then a dense warm-up until the step
+OnebitAdam and OnebitLamb start with DeepSpeed's initialisation step (no update), then a dense warm-up until the step
 count reaches ``freeze_step``, then the compression stage: gradients stay local and the momentum
 is averaged with DeepSpeed's error-compensated 1-bit compressed allreduce (worker and server
 errors, :class:`gradcomp.deepspeed.OnebitBackend`, gradcomp's ``onebit`` codec), 1 bit per
@@ -14,8 +17,9 @@ element plus one float32 scale per rank and chunk on the wire.
 Three ways to run them:
   - a plain loop: ``opt = OnebitAdam(model.parameters(), ...)``; ``step()`` averages the
     warm-up gradients itself (``average_gradients=True``);
-  - DDP: :func:`register_comm_hook` ``(ddp_model, opt)``: the hook averages during the warm-up
-    and leaves the gradients local afterwards;
+  - DDP: :func:`register_comm_hook` ``(ddp_model, opt)``: the hook averages on the dense steps
+    (``opt.dense_next``: the warm-up; ZeroOneAdam's variance steps) and leaves the gradients
+    local on the others;
   - DeepSpeed (any version) as a client optimizer: ``engine, *_ = deepspeed.initialize(model=m,
     optimizer=opt, config=...)`` then :func:`gradcomp.deepspeed.install` ``(engine)``: the
     engine averages during the warm-up and its gradient allreduce is off afterwards.
@@ -25,5 +29,6 @@ Three ways to run them:
 from .adam import OnebitAdam
 from .hook import onebit_comm_hook, register_comm_hook
 from .lamb import OnebitLamb
+from .zoadam import ZeroOneAdam
 
-__all__ = ["OnebitAdam", "OnebitLamb", "onebit_comm_hook", "register_comm_hook"]
+__all__ = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam", "onebit_comm_hook", "register_comm_hook"]

@@ -57,6 +57,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._backend = None
         self.initialized = False  # DeepSpeed's "initialize": False until the initialisation step
         self.compression_stage = False  # DeepSpeed's adam_freeze_key / lamb_freeze_key after init
+        # whether the next step averages its gradients densely (DeepSpeed's engine flag
+        # enable_backward_allreduce: read by the DDP hook, the plain loop and a bound engine)
+        self.dense_next = True
         self._engine = None
         self._stats = {"steps": 0, "warmup_steps": 0, "compressed_steps": 0, "dense_sent_bytes": 0.0,
                        "compressed_sent_bytes": 0.0}
@@ -127,9 +130,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         optimizers do. Use :func:`gradcomp.deepspeed.install`, which checks the world size."""
         self._engine = engine
         self.average_gradients = False
-        self._set_engine_allreduce(not self.compression_stage)
+        self._set_engine_allreduce(self.dense_next)
 
     def _set_engine_allreduce(self, on: bool) -> None:
+        self.dense_next = bool(on)
         e = self._engine
         if e is None:
             return

@@ -16,10 +16,11 @@ def onebit_comm_hook(state: OnebitOptimizer, bucket: dist.GradBucket) -> torch.f
     :func:`register_comm_hook`, which does both).
 
     Returns a Future of the bucket's flat buffer (its dtype and length): the mean over the
-    optimizer's group while ``state.compression_stage`` is False, the untouched local gradient
-    after."""
+    optimizer's group when the coming step averages densely (``state.dense_next``: the warm-up of
+    OnebitAdam / OnebitLamb, the variance-update steps of ZeroOneAdam), else the untouched local
+    gradient."""
     buf = bucket.buffer()
-    if state.compression_stage or state.size == 1:
+    if not state.dense_next or state.size == 1:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut
@@ -43,7 +44,7 @@ def register_comm_hook(ddp_model, optimizer: OnebitOptimizer) -> None:
                         f"torch.nn.parallel.DistributedDataParallel")
     if not isinstance(optimizer, OnebitOptimizer):
         raise TypeError(f"gradcomp.optim.register_comm_hook: optimizer is a {type(optimizer).__name__}; accepted: "
-                        f"gradcomp.optim.OnebitAdam or OnebitLamb")
+                        f"gradcomp.optim.OnebitAdam, OnebitLamb or ZeroOneAdam")
     w = ddp_model.process_group.size()
     if w != optimizer.size:
         raise ValueError(f"gradcomp.optim.register_comm_hook: DDP's process group has world size {w}, the "

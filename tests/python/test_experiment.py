@@ -59,3 +59,34 @@ def test_experiment_end_to_end(tmp_path):
 
     with open(out / "accuracy_vs_bits.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_sweep_plan():
+    """The default sweep as the README's "The main job" documents it (no process is started):
+    its codecs, 41 runs, codec none without error feedback only (under --ef both), 3 seeds for
+    none, top-k and onebit, 1 for the casts and the block quantizers; auto picks two_phase for
+    onebit."""
+    import torch
+
+    from gradcomp import planner
+    from gradcomp.codec import Codec
+    from gradcomp.experiments.__main__ import parse_args, plan_runs
+
+    a = parse_args([])
+    assert a.codec_list == ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
+                            "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit"]
+    runs = plan_runs(a)
+    assert len(runs) == 41
+    seeds = {}
+    for r in runs:
+        seeds.setdefault((r["codec"], r["error_feedback"]), []).append(r["seed"])
+    assert seeds[("none", False)] == [0, 1, 2] and ("none", True) not in seeds
+    for c in ("topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "onebit"):
+        assert seeds[(c, False)] == seeds[(c, True)] == [0, 1, 2]
+    for c in ("fp16", "bf16", "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"):
+        assert seeds[(c, False)] == seeds[(c, True)] == [0]
+    # an explicit --ef on still runs codec none with error feedback
+    assert [r["error_feedback"] for r in plan_runs(parse_args(["--codecs", "none", "--ef", "on"]))] == [True] * 3
+    # onebit takes two_phase under auto for buckets of the harness's sizes (W = 4)
+    for n in (2570, 82432):
+        assert planner.choose_scheme(Codec("onebit"), n, torch.float32, 4, min_compress_numel=0) == "two_phase"

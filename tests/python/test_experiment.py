@@ -21,7 +21,7 @@ def test_experiment_end_to_end(tmp_path):
     out = tmp_path / "res"
     cmd = [sys.executable, "-m", "gradcomp.experiments", "--workers", "2", "--seeds", "1",
            "--epochs", "2", "--codecs", "none;topk:ratio=0.01;int8", "--ef", "on", "--out", str(out),
-           "--no-progress"]
+           "--no-progress", "--optimizer-seeds", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert p.returncode == 0, p.stderr[-4000:]
     for name in ("table.md", "results.csv", "results.json", "accuracy_vs_bits.png"):
@@ -31,7 +31,9 @@ def test_experiment_end_to_end(tmp_path):
 
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 3
+    assert len(rows) == 5
+    opt_rows = {r["codec"]: r for r in rows[3:]}
+    rows = rows[:3]
     for col in ("codec", "scheme", "error_feedback", "seed", "test_accuracy", "packet_ratio", "wire_ratio",
                 "bits_per_element"):
         assert col in rows[0], col
@@ -51,11 +53,31 @@ def test_experiment_end_to_end(tmp_path):
     assert math.isclose(float(by["topk:ratio=0.01"]["wire_ratio"]),
                         float(by["topk:ratio=0.01"]["packet_ratio"]), rel_tol=1e-12)
 
+    # the optimizer rows, counted by hand: W = 2, 698 samples per rank, batch 48: 14 steps per
+    # epoch, 28 in all; 1-bit Adam's warm-up round(0.15 * 28) = 4 steps are dense (DDP's hook
+    # averages), the other 24 send one onebit exchange per parameter, padded to a multiple of 16
+    from gradcomp import Codec
+
+    sizes = [256 * 64, 256, 256 * 256, 256, 10 * 256, 10]
+    dense = 4 * sum(sizes)
+    adam, onebit = opt_rows["Adam"], opt_rows["1-bit Adam"]
+    assert adam["optimizer"] == "adam" and adam["scheme"] == "dense" and adam["error_feedback"] == "False"
+    assert float(adam["packet_ratio"]) == 1.0 and float(adam["wire_ratio"]) == 1.0
+    assert float(adam["bits_per_element"]) == 32.0
+    assert onebit["optimizer"] == "onebit_adam" and onebit["error_feedback"] == "True"
+    c = Codec("onebit")
+    pad = [n + (-n) % 16 for n in sizes]
+    packet = 4 * dense + 24 * sum(c.packet_bytes(n) for n in pad)
+    sent = 4 * dense + 24 * sum((n // 2) // 8 + 4 + c.packet_bytes(n // 2) for n in pad)  # (W-1) = 1
+    assert math.isclose(float(onebit["packet_ratio"]), packet / (28 * dense), rel_tol=1e-12)
+    assert math.isclose(float(onebit["wire_ratio"]), sent / (28 * dense), rel_tol=1e-12)
+    assert 0.0 <= float(onebit["test_accuracy"]) <= 100.0
+
     with open(out / "results.json") as f:
         js = json.load(f)
     assert {"config", "runs", "summary", "wall_s"} <= set(js)
-    assert len(js["runs"]) == 3 and len(js["runs"][0]["train_loss"]) == 2
-    assert {s["codec"] for s in js["summary"]} == {"none", "topk:ratio=0.01", "int8"}
+    assert len(js["runs"]) == 5 and len(js["runs"][0]["train_loss"]) == 2
+    assert {s["codec"] for s in js["summary"]} == {"none", "topk:ratio=0.01", "int8", "Adam", "1-bit Adam"}
 
     with open(out / "accuracy_vs_bits.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -63,9 +85,9 @@ def test_experiment_end_to_end(tmp_path):
 
 def test_default_sweep_plan():
     """The default sweep as the README's "The main job" documents it (no process is started):
-    its codecs, 41 runs, codec none without error feedback only (under --ef both), 3 seeds for
+    its codecs, 41 SGD runs, codec none without error feedback only (under --ef both), 3 seeds for
     none, top-k and onebit, 1 for the casts and the block quantizers; auto picks two_phase for
-    onebit."""
+    onebit; then Adam and 1-bit Adam, 2 seeds each."""
     import torch
 
     from gradcomp import planner
@@ -76,7 +98,16 @@ def test_default_sweep_plan():
     assert a.codec_list == ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
                             "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit"]
     runs = plan_runs(a)
-    assert len(runs) == 41
+    assert len(runs) == 45
+    # the optimizer rows come last: torch's Adam and gradcomp's 1-bit Adam, 2 seeds each
+    assert [(r["codec"], r["optimizer"], r["error_feedback"], r["seed"]) for r in runs[41:]] == [
+        ("Adam", "adam", False, 0), ("Adam", "adam", False, 1),
+        ("1-bit Adam", "onebit_adam", True, 0), ("1-bit Adam", "onebit_adam", True, 1)]
+    assert all(r["optimizer"] == "sgd" for r in runs[:41])
+    assert runs[43]["freeze_fraction"] == 0.15 and runs[43]["adam_lr"] == 1e-3 and runs[43]["adam_eps"] == 1e-4
+    assert len(plan_runs(parse_args(["--optimizers", ""]))) == 41
+    with pytest.raises(SystemExit):
+        parse_args(["--optimizers", "lamb"])
     seeds = {}
     for r in runs:
         seeds.setdefault((r["codec"], r["error_feedback"]), []).append(r["seed"])
@@ -86,7 +117,8 @@ def test_default_sweep_plan():
     for c in ("fp16", "bf16", "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"):
         assert seeds[(c, False)] == seeds[(c, True)] == [0]
     # an explicit --ef on still runs codec none with error feedback
-    assert [r["error_feedback"] for r in plan_runs(parse_args(["--codecs", "none", "--ef", "on"]))] == [True] * 3
+    only_none = plan_runs(parse_args(["--codecs", "none", "--ef", "on", "--optimizers", ""]))
+    assert [r["error_feedback"] for r in only_none] == [True] * 3
     # onebit takes two_phase under auto for buckets of the harness's sizes (W = 4)
     for n in (2570, 82432):
         assert planner.choose_scheme(Codec("onebit"), n, torch.float32, 4, min_compress_numel=0) == "two_phase"

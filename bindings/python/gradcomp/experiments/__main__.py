@@ -10,10 +10,15 @@ with and without error feedback, except that under ``--ef both`` codec none runs
 its residual is exactly zero, so the run with error feedback repeats the one without bit for bit.
 3 seeds (``--seeds``) for none, top-k and onebit, whose accuracy moves with the seed and with error
 feedback; 1 (``--quant-seeds``) for the casts and the block quantizers, whose test accuracy matched
-the dense run's on every seed tried: 41 runs, about 3.5 minutes on 2 cores (the budget is 5; the
-README's "The main job" has the measured time). The hook's scheme is ``auto`` (sum for the casts,
-gather for top-k, two_phase for the quantizers and onebit, with worker and server residuals under
-error feedback); the table and the CSV say which scheme each run used.
+the dense run's on every seed tried: 41 runs with SGD and the gradcomp hook. The hook's scheme is
+``auto`` (sum for the casts, gather for top-k, two_phase for the quantizers and onebit, with worker
+and server residuals under error feedback); the table and the CSV say which scheme each run used.
+Then the optimizer rows (``--optimizers``, 2 seeds each): torch's Adam under plain DDP and
+gradcomp.optim.OnebitAdam (1-bit Adam, Tang et al., ICML 2021) with its DDP hook, a dense warm-up
+of 15 % of the steps and then the 1-bit compressed momentum, on the same model (peak lr 1e-3, eps
+1e-4, cosine decay, no weight decay; the first layer's weights of constant pixels masked with
+``exp_avg_mask``). 45 runs, about 4 minutes on 2 cores (the budget is 5; the README's "The main
+job" has the measured time).
 
 Writes into ``--out`` (default ``results/``): ``results.csv`` (one row per run), ``results.json``
 (configuration, every run with its loss curve, and the summary), ``table.md`` (the printed table:
@@ -49,8 +54,11 @@ DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "
 # codec families that run over --quant-seeds (the others over --seeds)
 QUANT_SEED_FAMILIES = ("fp16", "bf16", "fp8", "int8", "int4")
 
-CSV_COLUMNS = ["codec", "scheme", "error_feedback", "seed", "test_accuracy", "final_loss", "packet_ratio",
-               "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
+# the optimizer rows: label in the codec column, and whether the run has error feedback
+OPTIMIZERS = {"adam": ("Adam", False), "onebit_adam": ("1-bit Adam", True)}
+
+CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "test_accuracy", "final_loss",
+               "packet_ratio", "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
                "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
                "decode_s", "comm_s", "train_s", "wall_s", "workers", "epochs"]
 
@@ -80,6 +88,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="MLP hidden width (default 256)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="DDP bucket_cap_mb (default 0.1: two buckets, rebuilt after step 1)")
+    p.add_argument("--optimizers", default="adam;onebit_adam",
+                   help="optimizer rows separated by ';', beside the SGD codec sweep: adam (torch.optim.Adam, "
+                        "plain DDP) and onebit_adam (gradcomp.optim.OnebitAdam with its DDP hook: dense "
+                        "warm-up, then 1-bit compressed momentum); '' for none (default: %(default)s)")
+    p.add_argument("--optimizer-seeds", type=int, default=2, help="seeds of each optimizer row (default 2)")
+    p.add_argument("--adam-lr", type=float, default=1e-3, help="peak learning rate of the Adam rows (default 1e-3)")
+    p.add_argument("--adam-eps", type=float, default=1e-4,
+                   help="eps of the Adam rows (default 1e-4: with 1e-8, 1-bit Adam diverges on this ReLU MLP, "
+                        "whose dead units keep a frozen variance of 0)")
+    p.add_argument("--freeze-fraction", type=float, default=0.15,
+                   help="1-bit Adam's warm-up as a fraction of the run's steps (default 0.15, DeepSpeed's advice)")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log gradcomp INFO messages")
@@ -87,8 +106,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if a.workers < 1 or a.seeds < 1 or a.quant_seeds < 1 or a.epochs < 1 or a.batch_size < 1 or a.hidden < 1:
         p.error("--workers, --seeds, --quant-seeds, --epochs, --batch-size and --hidden must be >= 1")
     a.codec_list = [c.strip() for c in a.codecs.split(";") if c.strip()]
-    if not a.codec_list:
-        p.error("--codecs is empty")
+    a.optimizer_list = [c.strip() for c in a.optimizers.split(";") if c.strip()]
+    for o in a.optimizer_list:
+        if o not in OPTIMIZERS:
+            p.error(f"--optimizers: {o!r}; accepted: {', '.join(OPTIMIZERS)}")
+    if a.optimizer_seeds < 1 or not 0.0 < a.freeze_fraction < 1.0 or not a.adam_lr > 0 or not a.adam_eps > 0:
+        p.error("--optimizer-seeds must be >= 1, --freeze-fraction in (0, 1), --adam-lr and --adam-eps > 0")
+    if not a.codec_list and not a.optimizer_list:
+        p.error("--codecs and --optimizers are empty")
     for spec in a.codec_list:
         try:
             Codec(spec)
@@ -114,11 +139,18 @@ def efs_for(codec: str, a: argparse.Namespace) -> List[bool]:
 
 
 def plan_runs(a: argparse.Namespace) -> List[dict]:
-    """The runs of the sweep, in order: codec, then error feedback, then seed."""
-    return [dict(codec=c, error_feedback=ef, seed=s, epochs=a.epochs, lr=a.lr, momentum=a.momentum,
-                 batch_size=a.batch_size, hidden=a.hidden, bucket_cap_mb=a.bucket_cap_mb,
-                 weight_decay=a.weight_decay)
+    """The runs of the sweep, in order: codec, then error feedback, then seed (SGD with the
+    gradcomp hook); then the optimizer rows (``--optimizers``), seed by seed."""
+    common = dict(epochs=a.epochs, lr=a.lr, momentum=a.momentum, batch_size=a.batch_size, hidden=a.hidden,
+                  bucket_cap_mb=a.bucket_cap_mb, weight_decay=a.weight_decay)
+    runs = [dict(common, codec=c, optimizer="sgd", error_feedback=ef, seed=s)
             for c in a.codec_list for ef in efs_for(c, a) for s in range(seeds_for(c, a))]
+    for o in a.optimizer_list:
+        label, ef = OPTIMIZERS[o]
+        runs += [dict(common, codec=label, optimizer=o, error_feedback=ef, seed=s, adam_lr=a.adam_lr,
+                      adam_eps=a.adam_eps, freeze_fraction=a.freeze_fraction)
+                 for s in range(a.optimizer_seeds)]
+    return runs
 
 
 def _setting(codec: str, ef: bool) -> str:
@@ -180,15 +212,19 @@ def plot(summary: List[dict], path: str, workers: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    for ef, marker, color in ((False, "o", "tab:red"), (True, "s", "tab:blue")):
-        pts = sorted((s for s in summary if s["error_feedback"] == ef), key=lambda s: s["bits_per_element"])
+    opt_labels = {label for label, _ in OPTIMIZERS.values()}
+    for ef, marker, color in ((False, "o", "tab:red"), (True, "s", "tab:blue"), (None, "^", "tab:green")):
+        pts = sorted((s for s in summary if (s["codec"] in opt_labels if ef is None else
+                                             s["error_feedback"] == ef and s["codec"] not in opt_labels)),
+                     key=lambda s: s["bits_per_element"])
         if not pts:
             continue
         x = [s["bits_per_element"] for s in pts]
         y = [s["acc_mean"] for s in pts]
         yerr = [[s["acc_mean"] - s["acc_min"] for s in pts], [s["acc_max"] - s["acc_mean"] for s in pts]]
         ax.errorbar(x, y, yerr=yerr, fmt=marker, color=color, capsize=3, linestyle="none",
-                    label="error feedback" if ef else "no error feedback")
+                    label={None: "Adam / 1-bit Adam", True: "SGD, error feedback",
+                           False: "SGD, no error feedback"}[ef])
         labels: Dict[float, List[str]] = {}
         for s in pts:  # one label per point; codecs with the same bits (fp16, bf16) share it
             labels.setdefault(round(s["bits_per_element"], 6), []).append(
@@ -247,7 +283,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     raise RuntimeError(f"ranks disagree on the final parameters for {cfg}: checksums {sums}")
                 r0 = res[0]
                 row = {k: r0[k] for k in CSV_COLUMNS if k in r0}
-                row.update(codec=cfg["codec"], error_feedback=cfg["error_feedback"], seed=cfg["seed"],
+                row.update(codec=cfg["codec"], optimizer=cfg["optimizer"], error_feedback=cfg["error_feedback"],
+                           seed=cfg["seed"],
                            workers=a.workers, epochs=a.epochs,
                            train_loss=r0["train_loss"])
                 rows.append(row)

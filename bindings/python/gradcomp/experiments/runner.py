@@ -71,15 +71,36 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(cfg["seed"])
     model = make_model(cfg["hidden"])
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
-    state = gt.register(ddp, codec=cfg["codec"], error_feedback=cfg["error_feedback"],
-                        scheme="auto", start_iter=0, min_compress_numel=0)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
-                          weight_decay=cfg.get("weight_decay", 0.0))
     bs = cfg["batch_size"]
     n = xtr.shape[0]
     per_rank = n // world
     steps = per_rank // bs
     total_steps = steps * cfg["epochs"]
+    kind = cfg.get("optimizer", "sgd")
+    state = None
+    peak_lr = cfg["lr"]
+    if kind == "sgd":
+        state = gt.register(ddp, codec=cfg["codec"], error_feedback=cfg["error_feedback"],
+                            scheme="auto", start_iter=0, min_compress_numel=0)
+        opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                              weight_decay=cfg.get("weight_decay", 0.0))
+    elif kind == "adam":  # torch's Adam under plain DDP: every step allreduces the float32 gradients
+        peak_lr = cfg["adam_lr"]
+        opt = torch.optim.Adam(ddp.parameters(), lr=peak_lr, eps=cfg["adam_eps"])
+    elif kind == "onebit_adam":
+        import gradcomp.optim as go
+
+        peak_lr = cfg["adam_lr"]
+        # the first layer's weights of pixels that are constant over the training set get exact
+        # zero gradients, which 1-bit signs cannot carry: DeepSpeed's exp_avg_mask
+        first = model[0].weight
+        mask = (xtr.std(0) > 0).to(first.dtype).expand_as(first).clone()
+        rest = [p for p in model.parameters() if p is not first]
+        opt = go.OnebitAdam([{"params": [first], "exp_avg_mask": mask}, {"params": rest}], lr=peak_lr,
+                            eps=cfg["adam_eps"], freeze_step=max(2, round(cfg["freeze_fraction"] * total_steps)))
+        go.register_comm_hook(ddp, opt)
+    else:
+        raise ValueError(f"experiment: optimizer={kind!r}; accepted: sgd, adam, onebit_adam")
     gen = torch.Generator().manual_seed(1000 + cfg["seed"])
     losses = []
     compute_s = 0.0
@@ -91,7 +112,7 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         for s in range(steps):
             # cosine learning-rate decay over the run
             for g in opt.param_groups:
-                g["lr"] = cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+                g["lr"] = peak_lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
             idx = mine[s * bs: (s + 1) * bs]
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=False)
@@ -112,7 +133,10 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         acc = 100.0 * float((pred == yte).float().mean())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         checksum = int(flat.view(torch.int32).to(torch.int64).sum())
-    st = state.stats()
+    if state is not None:
+        st = state.stats()
+    else:
+        st = optimizer_stats(kind, opt, model, world, total_steps)
     tot = st["total"]
     return {
         "test_accuracy": acc,
@@ -138,3 +162,24 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "param_checksum": checksum,
     }
+
+
+def optimizer_stats(kind: str, opt, model, world: int, steps: int) -> dict:
+    """The hook's ``stats()`` shape for the optimizer rows (Adam, 1-bit Adam), from the planner's
+    formulas: Adam allreduces every float32 gradient every step (one "dense" packet of all
+    gradients); 1-bit Adam's bytes are the optimizer's ``comm_stats()`` (dense warm-up averaging,
+    then onebit packets of the padded momenta)."""
+    from .. import planner
+
+    numel = sum(p.numel() for p in model.parameters())
+    dense = planner.dense_bytes(numel, "float32")
+    ring = planner.ring_allreduce_bytes(dense, world)
+    if kind == "adam":
+        packet, sent, scheme = dense * steps, ring * steps, "dense"
+    else:
+        cs = opt.comm_stats()
+        packet, sent, scheme = cs["packet_bytes"], cs["sent_bytes"], "dense+onebit"
+    tot = {"numel": numel * steps, "dense_bytes": dense * steps, "packet_bytes": packet, "sent_bytes": sent,
+           "ring_bytes": ring * steps, "encode_s": 0.0, "decode_s": 0.0, "comm_s": 0.0}
+    tot.update(planner.summarize(tot))
+    return {"steps": steps, "total": tot, "buckets": [{"scheme": scheme}], "nonfinite_steps": 0}

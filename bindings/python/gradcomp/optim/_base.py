@@ -62,7 +62,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self.dense_next = True
         self._engine = None
         self._stats = {"steps": 0, "warmup_steps": 0, "compressed_steps": 0, "dense_sent_bytes": 0.0,
-                       "compressed_sent_bytes": 0.0}
+                       "compressed_sent_bytes": 0.0, "packet_bytes": 0, "exchanged_dense_bytes": 0}
 
     # -- communication -------------------------------------------------------------------------
     @property
@@ -83,8 +83,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _compressed_allreduce(self, buf: torch.Tensor, worker_error: torch.Tensor,
                               server_error: torch.Tensor) -> torch.Tensor:
         out = self.backend.compressed_allreduce(buf, worker_error, server_error, None)
-        self._stats["compressed_sent_bytes"] += planner.onebit_allreduce_bytes(
-            self.backend.codec, worker_error.numel(), self.size)
+        Np = worker_error.numel()
+        self._stats["compressed_sent_bytes"] += planner.onebit_allreduce_bytes(self.backend.codec, Np, self.size)
+        self._stats["packet_bytes"] += int(self.backend.codec.packet_bytes(Np))
+        self._stats["exchanged_dense_bytes"] += buf.numel() * buf.element_size()
         return out
 
     def _average(self, tensors: List[torch.Tensor]) -> None:
@@ -109,14 +111,20 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Adds one dense ring allreduce of ``nbytes`` bytes to :meth:`comm_stats` (called by the
         DDP hook for the buckets it averages)."""
         self._stats["dense_sent_bytes"] += planner.ring_allreduce_bytes(nbytes, self.size)
+        self._stats["packet_bytes"] += int(nbytes)
+        self._stats["exchanged_dense_bytes"] += int(nbytes)
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent (the planner's formulas) and step counts: ``{"steps",
         "warmup_steps", "compressed_steps", "dense_sent_bytes", "compressed_sent_bytes",
-        "sent_bytes", "sent_bytes_per_step"}``. Dense bytes are the warm-up averaging (by
-        ``step()`` or by :func:`register_comm_hook`'s hook) and non_freeze groups; compressed
-        bytes the 1-bit momentum exchanges. Gradients a DeepSpeed engine averages are not
-        counted here."""
+        "sent_bytes", "sent_bytes_per_step", "packet_bytes", "exchanged_dense_bytes"}``.
+        ``warmup_steps`` counts the steps that averaged densely (ZeroOneAdam: its variance steps),
+        ``compressed_steps`` the others. Dense bytes are the dense averaging (by ``step()`` or by
+        :func:`register_comm_hook`'s hook) and non_freeze groups; compressed bytes the 1-bit
+        exchanges. ``packet_bytes`` sums what this rank put on the wire as its own data (a dense
+        tensor's bytes; a onebit packet of the padded buffer), ``exchanged_dense_bytes`` the
+        dense size of the same tensors (their ratio is the packet ratio). Gradients a DeepSpeed
+        engine averages are not counted here."""
         s = dict(self._stats)
         s["sent_bytes"] = s["dense_sent_bytes"] + s["compressed_sent_bytes"]
         s["sent_bytes_per_step"] = s["sent_bytes"] / s["steps"] if s["steps"] else float("nan")

@@ -26,6 +26,7 @@ import math
 import statistics
 import time
 
+import numpy as np
 import torch
 
 import gradcomp
@@ -112,7 +113,13 @@ def main(argv=None) -> None:
             torch.where(pos, s, -s, out=sgn)
             torch.sub(xp, sgn, out=r_t)
 
+        def numpy_onebit():  # what a CPU user without gradcomp calls: torch's norm, numpy.packbits
+            s = torch.linalg.vector_norm(x) / math.sqrt(n)
+            np.packbits((x >= 0).numpy())  # MSB first, as the codec
+            return s
+
         rows += [
+            ("onebit", "onebit", numpy_onebit, "torch norm + numpy.packbits"),
             ("onebit+ef", "onebit", torch_onebit, "torch: norm, sign, packbits, r = x'-D"),
             ("fp8+ef", "fp8", lambda: torch_quant(448.0, True, True), "torch: amax, div, to(e4m3fn), r = x'-D"),
             ("int8+ef", "int8", lambda: torch_quant(127.0, False, True), "torch: amax, div, round, to(int8), r"),
@@ -132,6 +139,22 @@ def main(argv=None) -> None:
             gbps = (4 * n + out.numel() + (8 * n if name.endswith("+ef") else 0)) / t / 1e9  # + r read, written
             print(f"{th:>7} {name:<18} {t * 1e3:9.2f} {gbps:7.2f} {gbps / copy_gbps:8.2f} "
                   f"{base_name:<34} {t_base * 1e3:9.2f} {t_base / t:8.1f}x")
+        # onebit decode into float32 against numpy.unpackbits + torch.where (the same +-s values)
+        c = gradcomp.Codec("onebit")
+        pk = c.encode(x)
+        od, ob = torch.empty(n), torch.empty(n)
+        bits_np = np.packbits((x >= 0).numpy())
+        s1 = torch.linalg.vector_norm(x) / math.sqrt(n)
+        sp, sn = s1.reshape(()), (-s1).reshape(())
+
+        def numpy_decode():
+            torch.where(torch.from_numpy(np.unpackbits(bits_np)[:n]).bool(), sp, sn, out=ob)
+
+        t = timeit(lambda: c.decode(pk, out=od), args.reps)
+        t_base = timeit(numpy_decode, args.reps)
+        gbps = (4 * n + pk.numel()) / t / 1e9
+        print(f"{th:>7} {'onebit decode':<18} {t * 1e3:9.2f} {gbps:7.2f} {gbps / copy_gbps:8.2f} "
+              f"{'numpy.unpackbits + torch.where':<34} {t_base * 1e3:9.2f} {t_base / t:8.1f}x")
 
 
 if __name__ == "__main__":

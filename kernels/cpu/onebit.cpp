@@ -10,8 +10,12 @@
 // tile sums go to the workspace, the scales follow per chunk, and a second pass over r writes
 // r_new = x' - divisor * D. Packets do not depend on the thread count.
 // Decode: D = bit ? s : -s; out = fl(D * alpha) (D when alpha is 1) or out = fl(out + fl(D * alpha)).
+// Without accumulate every element of a chunk is one of two stored values: runs of 64 bytes and
+// more copy each byte's 8 elements from a 256-entry table built once per chunk and thread.
 #include <algorithm>
+#include <bit>
 #include <cstring>
+#include <type_traits>
 
 #include "../common/reduce.hpp"
 #include "../core/codecs/onebit.hpp"
@@ -66,10 +70,16 @@ template <bool L2> double tile_sum(const float* __restrict yb, int64_t len) {
 //! byte's unused bits are 0. NaN and +-0.0 give 1.
 void pack_signs(const float* __restrict yb, int64_t len, uint8_t* __restrict bits) {
   const int64_t whole = len / 8;
+  // one 0/1 byte per element (a loop the compiler vectorizes), then 8 of them into one byte: in
+  // w = sum_j f_j 2^(8j), the product w * 0x8040201008040201 puts f_j at bit 63 - j (every other
+  // product bit lands below bit 56 or past bit 63, each on its own position: no carries)
+  static_assert(std::endian::native == std::endian::little, "pack_signs reads 8 flag bytes as a little-endian word");
+  alignas(64) uint8_t f[kSumTile];
+  for (int64_t j = 0; j < 8 * whole; ++j) f[j] = uint8_t(!(yb[j] < 0.0f));
   for (int64_t k = 0; k < whole; ++k) {
-    uint32_t b = 0;
-    for (int j = 0; j < 8; ++j) b |= uint32_t(!(yb[8 * k + j] < 0.0f)) << (7 - j);
-    bits[k] = uint8_t(b);
+    uint64_t w;
+    std::memcpy(&w, f + 8 * k, 8);
+    bits[k] = uint8_t((w * 0x8040201008040201ull) >> 56);
   }
   if (len % 8) {
     uint32_t b = 0;
@@ -117,9 +127,16 @@ uint32_t encode_t(const OnebitPlan& p, const EncodeArgs& a, uint8_t* bits, float
         continue;
       }
       const int64_t len = std::min(kSumTile, c1 - i0);
-      load_tile<In, HasRes, Div1>(xs + i0, HasRes ? r + i0 : nullptr, len, div, xb, yb);
-      pack_signs(yb, len, bits + i0 / 8);
-      const double S = l2 ? tile_sum<true>(yb, len) : tile_sum<false>(yb, len);
+      const float* y = yb;
+      // float32 input, no residual, divisor 1: y is x itself (whole lane groups need no padding)
+      if constexpr (std::is_same_v<In, F32> && !HasRes && Div1) {
+        if (len % kSumLanes == 0) y = reinterpret_cast<const float*>(xs) + i0;
+        else load_tile<In, HasRes, Div1>(xs + i0, nullptr, len, div, xb, yb);
+      } else {
+        load_tile<In, HasRes, Div1>(xs + i0, HasRes ? r + i0 : nullptr, len, div, xb, yb);
+      }
+      pack_signs(y, len, bits + i0 / 8);
+      const double S = l2 ? tile_sum<true>(y, len) : tile_sum<false>(y, len);
       if (U == 1) {  // the chunk is this tile: scale and residual now
         const float s = common::chunk_scale(S, c1 - c0, l2);  // one tile: the lane rule over tiles is S + 0s
         scales[c] = s;
@@ -199,20 +216,58 @@ void decode_t(const OnebitPlan& p, const DecodeArgs& a) {
   const bool alpha1 = alpha == 1.0f;  // D * 1 is D (a NaN s is already quiet)
   const int T = p.threads;
   const int64_t nbytes = (n + 7) / 8;
+  using St = typename O::storage;
+  // the two values of a chunk, the per-element expressions hoisted: D = +-s, v = D or fl(D * alpha)
+  auto value = [&](bool bit, float s) {
+    const float D = signed_scale(bit, s);
+    return alpha1 ? D : mul_rn(D, alpha);
+  };
+  // one element at a time (accumulate, short runs, the partial last byte)
+  auto bytes_loop = [&](int64_t k0, int64_t k1, float s) {
+    const float vp = value(true, s), vn = value(false, s);
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint32_t b = bits[k];
+      const int64_t i0 = 8 * k, len = std::min<int64_t>(8, n - i0);
+      for (int64_t j = 0; j < len; ++j) {
+        const float v = ((b >> (7 - j)) & 1u) ? vp : vn;
+        out[i0 + j] = O::store(acc ? add_rn(O::load(out[i0 + j]), v) : v);
+      }
+    }
+  };
+  constexpr int64_t kBlock = 512;  // bytes (4096 elements) per scheduling unit
+  constexpr int64_t kLutMin = 64;  // bytes of one chunk in a block worth a table
+  const int64_t nblocks = (nbytes + kBlock - 1) / kBlock;
   TeamClock clock;
 #pragma omp parallel num_threads(T)
   {
     clock.arrive();
+    // out = store(v) takes two values per chunk: a table of the 8 stored elements of every byte
+    alignas(64) St lut[256][8];
+    int64_t lut_chunk = -1;
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < nbytes; ++k) {
-      const uint32_t b = bits[k];
-      const int64_t i0 = 8 * k, len = std::min<int64_t>(8, n - i0);
-      float s;
-      std::memcpy(&s, scales + 4 * (i0 / C), 4);  // chunks are multiples of 8: one scale per byte
-      for (int64_t j = 0; j < len; ++j) {
-        const float D = signed_scale((b >> (7 - j)) & 1u, s);
-        const float v = alpha1 ? D : mul_rn(D, alpha);
-        out[i0 + j] = O::store(acc ? add_rn(O::load(out[i0 + j]), v) : v);
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t b0 = blk * kBlock, b1 = std::min(nbytes, b0 + kBlock);
+      for (int64_t k = b0; k < b1;) {
+        // the chunk of byte k (a chunk of C < n elements is a multiple of 8; C = n for one chunk)
+        const int64_t c = 8 * k / C;
+        const int64_t kend = std::min(b1, (std::min(n, (c + 1) * C) + 7) / 8);  // its bytes in the block
+        float s;
+        std::memcpy(&s, scales + 4 * c, 4);
+        // whole bytes only: the last byte of a tensor whose length is not a multiple of 8 is partial
+        const int64_t kwhole = (n % 8 && kend == nbytes) ? kend - 1 : kend;
+        if (acc || kwhole - k < kLutMin) {
+          bytes_loop(k, kend, s);
+        } else {
+          if (lut_chunk != c) {
+            const St sp = O::store(value(true, s)), sn = O::store(value(false, s));
+            for (int b = 0; b < 256; ++b)
+              for (int j = 0; j < 8; ++j) lut[b][j] = ((b >> (7 - j)) & 1) ? sp : sn;
+            lut_chunk = c;
+          }
+          for (int64_t kk = k; kk < kwhole; ++kk) std::memcpy(out + 8 * kk, lut[bits[kk]], sizeof lut[0]);
+          if (kwhole < kend) bytes_loop(kwhole, kend, s);
+        }
+        k = kend;
       }
     }
     clock.finish();

@@ -1,9 +1,9 @@
-"""What :class:`~gradcomp.optim.OnebitAdam` and :class:`~gradcomp.optim.OnebitLamb` share: the
-process group and DeepSpeed's padding rule, the warm-up gradient averaging, the switch to the
-compression stage (and a bound DeepSpeed engine's allreduce flag), byte accounting, and the
-state_dict that keeps the error buffers.
+"""What :class:`~gradcomp.optim.OnebitAdam`, :class:`~gradcomp.optim.OnebitLamb` and
+:class:`~gradcomp.optim.ZeroOneAdam` share: the process group and DeepSpeed's padding rule, the
+dense gradient averaging, the switch to the compression stage (and a bound DeepSpeed engine's
+allreduce flag), byte accounting, and the checks of checkpointed error buffers.
 
-Not public: use the two optimizers, :func:`gradcomp.optim.register_comm_hook` and
+Not public: use the optimizers, :func:`gradcomp.optim.register_comm_hook` and
 :func:`gradcomp.deepspeed.install`.
 """
 
@@ -36,8 +36,6 @@ class OnebitOptimizer(torch.optim.Optimizer):
     Raises:
         ValueError: freeze_step not an int >= 1.
     """
-
-    _KIND = "1-bit optimizer"
 
     def __init__(self, params, defaults: dict, freeze_step: int, group=None, average_gradients: bool = True):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:

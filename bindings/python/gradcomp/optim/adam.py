@@ -57,8 +57,6 @@ class OnebitAdam(OnebitOptimizer):
         RuntimeError: sparse gradients.
     """
 
-    _KIND = "OnebitAdam"
-
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, group=None, average_gradients: bool = True):
         _check_hparams(type(self).__name__, lr, betas, eps, weight_decay)

@@ -60,8 +60,6 @@ class OnebitLamb(OnebitOptimizer):
         RuntimeError: sparse gradients.
     """
 
-    _KIND = "OnebitLamb"
-
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,

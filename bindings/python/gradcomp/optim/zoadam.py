@@ -52,8 +52,6 @@ class ZeroOneAdam(OnebitOptimizer):
         RuntimeError: sparse gradients.
     """
 
-    _KIND = "ZeroOneAdam"
-
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, *, group=None,

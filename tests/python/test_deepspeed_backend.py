@@ -132,6 +132,15 @@ def job_edges(rank, world):
                          (torch.zeros(16, dtype=torch.float64), torch.zeros(8), "float32")]:
         with pytest.raises(ValueError, match=what):
             b.compressed_allreduce(torch.ones(13), we, se, 0)
+    # not a floating buffer; error buffers checked even for an empty buffer; messages name the fault
+    with pytest.raises(ValueError, match="buffer_m is torch.int64; accepted: float32"):
+        b.compressed_allreduce(torch.ones(16, dtype=torch.int64), torch.zeros(16), torch.zeros(8), 0)
+    with pytest.raises(ValueError, match="float32 tensor on cpu, got torch.int32"):
+        b.compressed_allreduce(torch.empty(0), torch.zeros(16, dtype=torch.int32), torch.zeros(8), 0)
+    with pytest.raises(ValueError, match=r"with strides \(2,\)"):
+        b.compressed_allreduce(torch.ones(13), torch.zeros(32)[::2], torch.zeros(8), 0)
+    with pytest.raises(ValueError, match="server_error has 8 elements and worker_error 32"):
+        b.compressed_allreduce(torch.ones(13), torch.zeros(32), torch.zeros(8), 0)
     # a float16 buffer: computed in float32, returned in float16
     got = b.compressed_allreduce(torch.ones(16, dtype=torch.float16), torch.zeros(16), torch.zeros(8), 0)
     assert got.dtype == torch.float16 and torch.all(got == 1)
@@ -166,6 +175,8 @@ def job_install(rank, world):
         install(_Engine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)))
     with pytest.raises(TypeError, match="has no optimizer"):
         install(_Engine(None))
+    with pytest.raises(TypeError, match="got the optimizer OnebitAdam; accepted: the engine"):
+        install(go.OnebitAdam([torch.nn.Parameter(torch.zeros(2))]))
     # DeepSpeed's optimizers (built without their constructor, which needs an engine and cupy)
     for cls in (DsAdam, DsLamb):
         opt = object.__new__(cls)

@@ -301,6 +301,9 @@ def job_ddp_hook(rank, world):
 
     model = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    other = go.OnebitAdam(_model().parameters(), lr=1e-3, freeze_step=3)
+    with pytest.raises(ValueError, match="does not hold 4 of the model's trainable parameters"):
+        go.register_comm_hook(ddp, other)
     opt = go.OnebitAdam(ddp.parameters(), lr=1e-3, freeze_step=3)
     go.register_comm_hook(ddp, opt)
     assert not opt.average_gradients
@@ -393,3 +396,65 @@ def test_zero_one_adam_schedule_and_round_trip():
         # var_interval doubles after every variance update: variance steps 1 (init), 2, 4; frozen after 4
         assert dense == [True, True, False, True, False, False, False], dense
         assert frozen and same and errs
+
+
+def test_user_patterns_found_in_review():
+    """What a review as a user found (each failed before its fix)."""
+    import gradcomp.optim as go
+
+    # ZeroOneAdam: a learning rate of 0 over a whole local-step interval left m = 0 / 0 = NaN
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = go.ZeroOneAdam([p], lr=1e-2, var_freeze_step=2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0 if s == 4 else 1.0)
+    for _ in range(6):
+        opt.zero_grad()
+        (p ** 2).sum().backward()
+        opt.step()
+        sched.step()
+    assert torch.isfinite(p).all() and torch.isfinite(opt.state[p]["exp_avg"]).all()
+    # ZeroOneAdam at world size 1: m follows the gradient on the steps without a variance update too
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = go.ZeroOneAdam([p], var_freeze_step=1000, var_update_scaler=1)
+    ms = []
+    for i in range(6):
+        p.grad = torch.full((1,), i + 1.0)
+        opt.step()
+        ms.append(opt.state[p]["exp_avg"].item())
+    want, m = [0.0], 0.0
+    for i in range(1, 6):
+        m = 0.9 * m + 0.1 * (i + 1.0)
+        want.append(m)
+    assert ms == pytest.approx(want, rel=1e-6)
+    # a first parameter that never has a gradient: the stage follows the others, on load too
+    for cls, kw in ((go.OnebitAdam, {"freeze_step": 3}), (go.ZeroOneAdam, {"var_freeze_step": 3})):
+        frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = cls([frozen, w], lr=1e-2, **kw)
+        for _ in range(5):
+            opt.zero_grad()
+            (w ** 2).sum().backward()
+            opt.step()
+        assert opt.compression_stage, cls.__name__
+        w2 = torch.nn.Parameter(w.detach().clone())
+        opt2 = cls([frozen, w2], lr=1e-2, **kw)
+        opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+        assert (opt2.initialized, opt2.compression_stage, opt2.dense_next) == (True, True, False), cls.__name__
+        for o, q in ((opt, w), (opt2, w2)):
+            o.zero_grad()
+            (q ** 2).sum().backward()
+            o.step()
+        assert torch.equal(w, w2), cls.__name__
+    # OnebitLamb takes what torch.optim takes, and refuses add_param_group once it has stepped
+    model = _model()
+    opt = go.OnebitLamb(model.named_parameters())
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == 66
+    opt = go.OnebitLamb([{"params": model[0].weight}, {"params": model[2].weight, "lr": 1e-2}])
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+    with pytest.raises(TypeError, match="got a torch.Tensor"):
+        go.OnebitLamb(model[0].weight)
+    opt = go.OnebitLamb([model[0].weight])
+    opt.add_param_group({"params": [model[0].bias]})  # before the first step: fine
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    opt.step()
+    with pytest.raises(RuntimeError, match="has stepped"):
+        opt.add_param_group({"params": [model[2].bias]})

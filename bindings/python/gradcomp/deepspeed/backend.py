@@ -21,15 +21,19 @@ DeepSpeed's torch.norm sums in float32, so DeepSpeed's scale is the less exact o
 project's CPU torch 2.15's float32 norm is off by 1.1e-5 relative at 2^20 elements and 8e-5 at
 2^22 (bench/onebit_allreduce.py), and a result differs from DeepSpeed's by as much.
 
-Shapes and dtypes: buffer_m any shape of float32 (float16/bfloat16 buffers are computed in
-float32 and the result rounded into the buffer's dtype); worker_error float32 of Np elements,
+Shapes and dtypes: buffer_m any shape of float32 (float16/bfloat16/float64 buffers are computed
+in float32 and the result rounded into the buffer's dtype); worker_error float32 of Np elements,
 server_error float32 of Np / W, on buffer_m's device; Np a multiple of 8 W (DeepSpeed's optimizers
 pad to a multiple of W lcm(W, 8)). Empty buffers: both errors zeroed, the buffer returned, no
 communication (DeepSpeed PR 7769).
 
+A NaN or infinity in buffer_m makes that call's scale, result and both error buffers NaN, and
+the error buffers keep it (as DeepSpeed's): zero them (``worker_error.zero_()``) to start over.
+
 Raises:
-    ValueError: Np not a multiple of 8 W, Np < numel, server_error not Np / W elements, error
-        buffers not float32 or on another device (DeepSpeed fails later with a cupy split error).
+    ValueError: buffer_m not floating (float32, float16, bfloat16, float64), Np not a multiple of
+        8 W, Np < numel, server_error not Np / W elements, error buffers not float32, not
+        contiguous or on another device (DeepSpeed fails later with a cupy split error).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from ..codec import Codec, aligned_empty
 
 _CODEC = "onebit"
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class OnebitBackend:
@@ -87,15 +92,18 @@ class OnebitBackend:
         buffer_m's)."""
         W = self.size
         shape, n = buffer_m.shape, buffer_m.numel()
+        if buffer_m.dtype not in _FLOATS:
+            raise ValueError(f"OnebitBackend.compressed_allreduce: buffer_m is {buffer_m.dtype}; accepted: "
+                             f"float32, float16, bfloat16, float64 (computed in float32)")
+        for name, e in (("worker_error", worker_error), ("server_error", server_error)):
+            if e.dtype != torch.float32 or e.device != buffer_m.device or not e.is_contiguous():
+                raise ValueError(f"OnebitBackend.compressed_allreduce: {name} must be a contiguous float32 tensor on "
+                                 f"{buffer_m.device}, got {e.dtype} on {e.device} with strides {tuple(e.stride())}")
         if n == 0:
             worker_error.zero_()
             server_error.zero_()
             return buffer_m
         Np = worker_error.numel()
-        for name, e in (("worker_error", worker_error), ("server_error", server_error)):
-            if e.dtype != torch.float32 or e.device != buffer_m.device or not e.is_contiguous():
-                raise ValueError(f"OnebitBackend.compressed_allreduce: {name} must be a contiguous float32 tensor on "
-                                 f"{buffer_m.device}, got {e.dtype} on {e.device}")
         if Np < n or Np % (8 * W) != 0:
             raise ValueError(f"OnebitBackend.compressed_allreduce: worker_error has {Np} elements; it must hold at "
                              f"least buffer_m's {n} and be a multiple of 8 * world size = {8 * W} (DeepSpeed's "
@@ -103,7 +111,8 @@ class OnebitBackend:
         C = Np // W
         if server_error.numel() != C:
             raise ValueError(f"OnebitBackend.compressed_allreduce: server_error has {server_error.numel()} "
-                             f"elements; accepted: worker_error.numel() / world size = {C}")
+                             f"elements and worker_error {Np}; accepted: server_error = worker_error / world size "
+                             f"({W}) elements")
         flat = buffer_m.reshape(-1)
         # a float32 buffer of exactly Np elements is worked on in its own storage (as DeepSpeed
         # does): read by the worker encode, then overwritten by the result

@@ -55,6 +55,11 @@ def install(engine):
     """
     from ..optim._base import OnebitOptimizer
 
+    import torch
+
+    if isinstance(engine, torch.optim.Optimizer):
+        raise TypeError(f"gradcomp.deepspeed.install: got the optimizer {type(engine).__name__}; accepted: the engine "
+                        f"deepspeed.initialize returned (engine, optimizer, _, _ = deepspeed.initialize(...))")
     opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
     if opt is None:
         raise TypeError(f"gradcomp.deepspeed.install: {type(engine).__name__} has no optimizer (basic_optimizer "

@@ -128,7 +128,8 @@ class OnebitAdam(OnebitOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a checkpoint of this class (or of DeepSpeed's OnebitAdam): the state, error
         buffers included when they fit this world size; ``exp_avg_mask`` stays the running
-        optimizer's (DeepSpeed's rule); the stage follows the first parameter's step count."""
+        optimizer's (DeepSpeed's rule); the stage follows the step count of the first parameter
+        that has state."""
         sd = self._keep_masks(state_dict)
         errors, state = {}, {}
         for k, st in sd["state"].items():
@@ -148,7 +149,9 @@ class OnebitAdam(OnebitOptimizer):
             if we is not None and se is not None:
                 self.state[p]["worker_error"] = we.to(device=p.device, dtype=torch.float32, copy=True)
                 self.state[p]["server_error"] = se.to(device=p.device, dtype=torch.float32, copy=True)
-        first = self.state.get(self.param_groups[0]["params"][0], {}) if params else {}
+        # the stage follows the step count of a parameter that has state (DeepSpeed reads the
+        # first parameter, which has none when it never had a gradient)
+        first = next((self.state[p] for p in params if "step" in self.state.get(p, {})), {})
         step = int(first.get("step", 0))
         self.initialized = step > 0
         self._stage_from_step(step)

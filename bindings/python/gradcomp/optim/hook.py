@@ -37,7 +37,8 @@ def register_comm_hook(ddp_model, optimizer: OnebitOptimizer) -> None:
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel, or ``optimizer`` not a
             gradcomp.optim optimizer.
-        ValueError: the DDP process group's world size differs from the optimizer's.
+        ValueError: the DDP process group's world size differs from the optimizer's, or the
+            optimizer does not hold every trainable parameter of the model.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"gradcomp.optim.register_comm_hook: ddp_model is a {type(ddp_model).__name__}; accepted: "
@@ -45,6 +46,12 @@ def register_comm_hook(ddp_model, optimizer: OnebitOptimizer) -> None:
     if not isinstance(optimizer, OnebitOptimizer):
         raise TypeError(f"gradcomp.optim.register_comm_hook: optimizer is a {type(optimizer).__name__}; accepted: "
                         f"gradcomp.optim.OnebitAdam, OnebitLamb or ZeroOneAdam")
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in mine]
+    if missing:
+        raise ValueError(f"gradcomp.optim.register_comm_hook: the optimizer does not hold {len(missing)} of the "
+                         f"model's trainable parameters (first: {missing[0]}); the hook follows the optimizer's "
+                         f"stage, so it must be the optimizer that trains this model")
     w = ddp_model.process_group.size()
     if w != optimizer.size:
         raise ValueError(f"gradcomp.optim.register_comm_hook: DDP's process group has world size {w}, the "

@@ -13,6 +13,27 @@ from ._base import OnebitOptimizer
 from .adam import _check_hparams
 
 
+def _drop_empty(params):
+    """``params`` as torch.optim takes them (tensors, (name, tensor) pairs or groups of them)
+    without the parameters of 0 elements (DeepSpeed PR 7736)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("gradcomp.optim.OnebitLamb: params must be an iterable of tensors, (name, tensor) pairs "
+                        "or dicts, got a torch.Tensor")
+
+    def keep(p):
+        t = p[1] if isinstance(p, tuple) and len(p) == 2 else p
+        return not isinstance(t, torch.Tensor) or t.numel() > 0
+
+    def group_params(g):
+        ps = g["params"]
+        return [ps] if isinstance(ps, torch.Tensor) else list(ps)
+
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=[p for p in group_params(g) if keep(p)]) for g in params]
+    return [p for p in params if keep(p)]
+
+
 class OnebitLamb(OnebitOptimizer):
     """1-bit LAMB as a ``torch.optim.Optimizer`` (DeepSpeed's config names and semantics).
 
@@ -72,11 +93,7 @@ class OnebitLamb(OnebitOptimizer):
             raise ValueError(f"gradcomp.optim.OnebitLamb: factor_min={factor_min!r}, factor_max={factor_max!r}, "
                              f"factor_threshold={factor_threshold!r}; accepted: 0 < factor_min <= factor_max, "
                              f"factor_threshold >= 0")
-        params = list(params)
-        if params and isinstance(params[0], dict):
-            params = [dict(g, params=[p for p in g["params"] if p.numel() > 0]) for g in params]
-        else:
-            params = [p for p in params if p.numel() > 0]
+        params = _drop_empty(params)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       max_coeff=max_coeff, min_coeff=min_coeff), freeze_step,
                          group=group, average_gradients=average_gradients)
@@ -90,6 +107,18 @@ class OnebitLamb(OnebitOptimizer):
         self.worker_error: Optional[torch.Tensor] = None
         self.server_error: Optional[torch.Tensor] = None
         self.lamb_coeffs: List[float] = []
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's, before the first step only: the momenta of every group share one flat
+        buffer, and its error buffers are sized for it.
+
+        Raises:
+            RuntimeError: after the first step."""
+        if getattr(self, "_flat", None) is not None:
+            raise RuntimeError("gradcomp.optim.OnebitLamb.add_param_group: the optimizer has stepped (its momenta "
+                               "share one flat buffer with error buffers sized for it); give every group to the "
+                               "constructor")
+        super().add_param_group(param_group)
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
@@ -262,7 +291,7 @@ class OnebitLamb(OnebitOptimizer):
         self._flat = None
         self._padding = None
         params = self._params()
-        step = int(self.state.get(params[0], {}).get("step", 0)) if params else 0
+        step = int(next((self.state[p] for p in params if "step" in self.state.get(p, {})), {}).get("step", 0))
         if step < self.freeze_step:
             for p in params:
                 st = self.state[p]

@@ -21,13 +21,15 @@ class ZeroOneAdam(OnebitOptimizer):
       2. before ``var_freeze_step``: the variance is updated only on the steps where ``step %
          var_interval == 0``; those steps average the gradient densely (m, v as Adam); on the
          others the local gradient goes through the error-compensated 1-bit mean
-         (:class:`gradcomp.deepspeed.OnebitBackend`, masked by ``exp_avg_mask``) into m only.
+         (:class:`gradcomp.deepspeed.OnebitBackend`, masked by ``exp_avg_mask``) into m only
+         (at world size 1 the gradient itself; DeepSpeed leaves m unchanged there).
          After ``var_update_scaler`` variance updates the interval doubles. update = m /
          (sqrt(v) + eps) (+ weight_decay * p), p -= lr * update (no bias correction);
       3. after ``var_freeze_step``: local steps (m from the local gradient, the updates summed in
          ``momentum_accumulator``); every ``local_step_interval`` steps the summed update is taken
          back, turned into momentum units (times sqrt(v) + eps), averaged with the 1-bit
-         exchange, and applied; m becomes minus that average over the summed learning rates. The
+         exchange, and applied; m becomes minus that average over the summed learning rates
+         (unchanged when they sum to 0: DeepSpeed divides 0 by 0 into a NaN there). The
          interval doubles every ``local_step_scaler`` steps up to ``local_step_clipper``. The
          error buffers are zeroed once at the switch.
     ``dense_next`` says whether the coming step averages densely (the DDP hook and a bound
@@ -110,6 +112,7 @@ class ZeroOneAdam(OnebitOptimizer):
         if not first and dense and self.average_gradients:
             self._average([g for group in self.param_groups for g in self._grads(group)])
         engine_flag = None
+        last_step = None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             mask = group.get("exp_avg_mask")
@@ -122,14 +125,15 @@ class ZeroOneAdam(OnebitOptimizer):
                 st = self.state[p] if len(self.state[p]) else self._new_state(p)
                 exp_avg, exp_avg_sq, acc = st["exp_avg"], st["exp_avg_sq"], st["momentum_accumulator"]
                 st["step"] += 1
+                last_step = st["step"]
                 if first:
                     continue
                 if not frozen:
                     if st["step"] % st["var_interval"] == 0:
                         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                    elif self.size > 1:
-                        g1 = self._onebit(grad, st, mask)
+                    else:  # at W = 1 the 1-bit mean is the gradient itself (DeepSpeed skips m there)
+                        g1 = self._onebit(grad, st, mask) if self.size > 1 else grad
                         exp_avg.mul_(beta1).add_(g1, alpha=1 - beta1)
                 else:
                     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -149,7 +153,8 @@ class ZeroOneAdam(OnebitOptimizer):
                                 acc.copy_(out)
                             if mask is not None:
                                 acc.mul_(mask.to(acc.device))
-                        exp_avg.zero_().add_(acc / st["lrs"], alpha=-1)
+                        if st["lrs"] != 0:  # all lr 0 since the last sync: m stays (DeepSpeed: 0 / 0)
+                            exp_avg.zero_().add_(acc / st["lrs"], alpha=-1)
                         p.add_(acc / (exp_avg_sq.sqrt() + group["eps"]))
                         acc.zero_()
                         st["lrs"] = 0
@@ -170,7 +175,7 @@ class ZeroOneAdam(OnebitOptimizer):
         if engine_flag is not None:
             self._set_engine_allreduce(engine_flag)
         params = [p for g in self.param_groups for p in g["params"]]
-        if params and self.state[params[0]].get("step", 0) > self.var_freeze_step:
+        if last_step is not None and last_step > self.var_freeze_step:
             self.compression_stage = True
             self._set_engine_allreduce(False)
         if self.compression_stage and not self.errors_reset:
@@ -224,7 +229,7 @@ class ZeroOneAdam(OnebitOptimizer):
             self.errors_reset = bool(flags["errors_reset"])
             self._set_engine_allreduce(bool(flags["dense_next"]))
             return
-        st0 = self.state.get(params[0], {}) if params else {}
+        st0 = next((self.state[p] for p in params if "step" in self.state.get(p, {})), {})
         step = int(st0.get("step", 0))
         self.initialized = step > 0
         self.compression_stage = step > self.var_freeze_step

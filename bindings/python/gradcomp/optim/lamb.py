@@ -78,7 +78,8 @@ class OnebitLamb(OnebitOptimizer):
 
     Raises:
         ValueError: bad hyper-parameters; parameters of several dtypes or devices.
-        RuntimeError: sparse gradients.
+        TypeError: ``params`` is a single tensor (as torch.optim).
+        RuntimeError: sparse gradients; ``add_param_group`` after the first step.
     """
 
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, betas: Tuple[float, float] = (0.9, 0.999),

@@ -158,6 +158,22 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self.compression_stage = self.initialized and step >= self.freeze_step
         self._set_engine_allreduce(not self.compression_stage)
 
+    def _begin_step(self, closure):
+        """The start every step() shares: the closure's loss (under enable_grad), the step
+        counts, and the dense averaging of every gradient when this step averages densely and
+        ``average_gradients`` is set (never on the initialisation step, which uses none).
+        Returns ``(loss, first)``, first = this is the initialisation step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        first = not self.initialized
+        self._stats["steps"] += 1
+        self._stats["warmup_steps" if self.dense_next else "compressed_steps"] += 1
+        if not first and self.dense_next and self.average_gradients:
+            self._average([g for group in self.param_groups for g in self._grads(group)])
+        return loss, first
+
     @staticmethod
     def _grads(group) -> List[torch.Tensor]:
         out = []
@@ -186,16 +202,43 @@ class OnebitOptimizer(torch.optim.Optimizer):
         state_dict["param_groups"] = groups
         return state_dict
 
-    def _check_error(self, name: str, t, numel: int) -> Optional[torch.Tensor]:
-        """A checkpointed error buffer if it fits this world size's padding, else None with a
-        warning (a checkpoint from another world size: the buffers restart at zero, as
-        DeepSpeed's always do)."""
-        if t is None:
+    def _fitting_errors(self, we, se, numel: int, device) -> Optional[tuple]:
+        """Checkpointed (worker_error, server_error) of a buffer of ``numel`` elements as float32
+        copies on ``device`` when both fit this world size's padding; else None, with a warning
+        when they were there but do not fit (a checkpoint from another world size: the buffers
+        restart at zero, as DeepSpeed's always do)."""
+        if we is None and se is None:
             return None
-        if not isinstance(t, torch.Tensor) or t.numel() != numel:
-            got = t.numel() if isinstance(t, torch.Tensor) else type(t).__name__
-            warnings.warn(f"gradcomp.optim.{type(self).__name__}.load_state_dict: {name} holds {got} elements, "
-                          f"this world size ({self.size}) needs {numel}: the error buffers restart at zero",
-                          stacklevel=3)
-            return None
-        return t
+        Np = self.padded_numel(numel)
+        for name, t, want in (("worker_error", we, Np), ("server_error", se, Np // self.size)):
+            if not isinstance(t, torch.Tensor) or t.numel() != want:
+                got = t.numel() if isinstance(t, torch.Tensor) else type(t).__name__
+                warnings.warn(f"gradcomp.optim.{type(self).__name__}.load_state_dict: {name} holds {got} elements, "
+                              f"this world size ({self.size}) needs {want}: the error buffers restart at zero",
+                              stacklevel=3)
+                return None
+        return tuple(t.to(device=device, dtype=torch.float32, copy=True) for t in (we, se))
+
+    def _load_without_errors(self, state_dict: dict) -> Dict[int, tuple]:
+        """torch's load_state_dict of everything but the per-parameter error buffers (torch would
+        cast them to the parameter's dtype), the running optimizer's ``exp_avg_mask`` kept.
+        Returns ``{parameter index: (worker_error, server_error)}`` from the checkpoint."""
+        sd = self._keep_masks(state_dict)
+        errors, state = {}, {}
+        for k, st in sd["state"].items():
+            st = dict(st)
+            errors[int(k)] = (st.pop("worker_error", None), st.pop("server_error", None))
+            state[k] = st
+        sd["state"] = state
+        super().load_state_dict(sd)
+        return errors
+
+    def _loaded_state(self) -> dict:
+        """The state of the first parameter that has one, whose step count sets the stage after
+        a load (DeepSpeed reads the first parameter, which has none when it never had a
+        gradient); {} for none."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return next((self.state[p] for p in params if "step" in self.state.get(p, {})), {})
+
+    def _loaded_step(self) -> int:
+        return int(self._loaded_state().get("step", 0))

@@ -66,16 +66,8 @@ class OnebitAdam(OnebitOptimizer):
     @torch.no_grad()
     def step(self, closure=None) -> Optional[torch.Tensor]:
         """One optimization step (see the class docstring). Returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        first = not self.initialized
         comp = self.compression_stage
-        self._stats["steps"] += 1
-        self._stats["compressed_steps" if comp else "warmup_steps"] += 1
-        if not first and not comp and self.average_gradients:
-            self._average([g for group in self.param_groups for g in self._grads(group)])
+        loss, first = self._begin_step(closure)
         last_step = None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -130,32 +122,16 @@ class OnebitAdam(OnebitOptimizer):
         buffers included when they fit this world size; ``exp_avg_mask`` stays the running
         optimizer's (DeepSpeed's rule); the stage follows the step count of the first parameter
         that has state."""
-        sd = self._keep_masks(state_dict)
-        errors, state = {}, {}
-        for k, st in sd["state"].items():
-            st = dict(st)
-            errors[k] = (st.pop("worker_error", None), st.pop("server_error", None))
-            state[k] = st
-        sd["state"] = state
-        super().load_state_dict(sd)
+        errors = self._load_without_errors(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for k, (we, se) in errors.items():
-            if we is None and se is None:
-                continue
-            p = params[int(k)]
-            Np = self.padded_numel(p.numel())
-            we = self._check_error("worker_error", we, Np)
-            se = self._check_error("server_error", se, Np // self.size) if we is not None else None
-            if we is not None and se is not None:
-                self.state[p]["worker_error"] = we.to(device=p.device, dtype=torch.float32, copy=True)
-                self.state[p]["server_error"] = se.to(device=p.device, dtype=torch.float32, copy=True)
-        # the stage follows the step count of a parameter that has state (DeepSpeed reads the
-        # first parameter, which has none when it never had a gradient)
-        first = next((self.state[p] for p in params if "step" in self.state.get(p, {})), {})
-        step = int(first.get("step", 0))
+            p = params[k]
+            fit = self._fitting_errors(we, se, p.numel(), p.device)
+            if fit is not None:
+                self.state[p]["worker_error"], self.state[p]["server_error"] = fit
+        step = self._loaded_step()
         self.initialized = step > 0
         self._stage_from_step(step)
-
 
 def _check_hparams(name: str, lr, betas, eps, weight_decay) -> None:
     if not lr >= 0.0:

@@ -158,22 +158,14 @@ class OnebitLamb(OnebitOptimizer):
     @torch.no_grad()
     def step(self, closure=None) -> Optional[torch.Tensor]:
         """One optimization step (see the class docstring). Returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         params = self._params()
         self.lamb_coeffs = []
+        comp = self.compression_stage
+        loss, first = self._begin_step(closure)
         if not params:
             return loss
-        first = not self.initialized
-        comp = self.compression_stage
-        self._stats["steps"] += 1
-        self._stats["compressed_steps" if comp else "warmup_steps"] += 1
         if self._flat is None:
             self._build_flat()
-        if not first and not comp and self.average_gradients:
-            self._average([g for group in self.param_groups for g in self._grads(group)])
         last: List[List[torch.Tensor]] = []
         if comp:
             last = [[self.state[p]["exp_avg"].detach().clone() for p in g["params"]] for g in self.param_groups]
@@ -292,7 +284,7 @@ class OnebitLamb(OnebitOptimizer):
         self._flat = None
         self._padding = None
         params = self._params()
-        step = int(next((self.state[p] for p in params if "step" in self.state.get(p, {})), {}).get("step", 0))
+        step = self._loaded_step()
         if step < self.freeze_step:
             for p in params:
                 st = self.state[p]
@@ -300,17 +292,13 @@ class OnebitLamb(OnebitOptimizer):
                 st["last_factor"] = 1.0
                 st.pop("scaling_coeff", None)
         self.worker_error = self.server_error = None
-        if params and errors.get("worker_error") is not None:
-            Np = self.padded_numel(sum(p.numel() for p in params))
-            we = self._check_error("worker_error", errors.get("worker_error"), Np)
-            se = self._check_error("server_error", errors.get("server_error"), Np // self.size) if we is not None \
-                else None
-            if we is not None and se is not None:
-                dev = params[0].device
-                self.worker_error = we.to(device=dev, dtype=torch.float32, copy=True)
-                self.server_error = se.to(device=dev, dtype=torch.float32, copy=True)
+        if params:
+            n = sum(p.numel() for p in params)
+            fit = self._fitting_errors(errors.get("worker_error"), errors.get("server_error"), n, params[0].device)
+            if fit is not None:
+                self.worker_error, self.server_error = fit
                 pad = errors.get("momentum_padding")
-                if isinstance(pad, torch.Tensor) and pad.numel() == Np - sum(p.numel() for p in params):
+                if isinstance(pad, torch.Tensor) and pad.numel() == self.padded_numel(n) - n:
                     self._padding = pad
         self.initialized = step > 0
         self._stage_from_step(step)

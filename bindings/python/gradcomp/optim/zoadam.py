@@ -100,17 +100,8 @@ class ZeroOneAdam(OnebitOptimizer):
     @torch.no_grad()
     def step(self, closure=None) -> Optional[torch.Tensor]:
         """One optimization step (see the class docstring). Returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        first = not self.initialized
         frozen = self.compression_stage
-        dense = self.dense_next
-        self._stats["steps"] += 1
-        self._stats["warmup_steps" if dense else "compressed_steps"] += 1
-        if not first and dense and self.average_gradients:
-            self._average([g for group in self.param_groups for g in self._grads(group)])
+        loss, first = self._begin_step(closure)
         engine_flag = None
         last_step = None
         for group in self.param_groups:
@@ -200,27 +191,17 @@ class ZeroOneAdam(OnebitOptimizer):
         matches; the error buffers restart at zero with a warning otherwise) or of DeepSpeed's
         ZeroOneAdam (no error buffers or accumulator: they restart at zero, and the stage follows
         the first parameter's step as DeepSpeed intended)."""
-        sd = self._keep_masks(state_dict)
-        flags = sd.pop("zero_one", None)
-        errors, state = {}, {}
-        for k, st in sd["state"].items():
-            st = dict(st)
-            errors[k] = (st.pop("worker_error", None), st.pop("server_error", None))
-            state[k] = st
-        sd["state"] = state
-        super().load_state_dict(sd)
+        flags = state_dict.get("zero_one")
+        errors = self._load_without_errors({k: v for k, v in state_dict.items() if k != "zero_one"})
         params = [p for g in self.param_groups for p in g["params"]]
         for k, (we, se) in errors.items():
-            p = params[int(k)]
+            p = params[k]
             st = self.state[p]
             Np = self.padded_numel(p.numel())
-            we = self._check_error("worker_error", we, Np)
-            se = self._check_error("server_error", se, Np // self.size) if we is not None else None
-            ok = we is not None and se is not None
-            st["worker_error"] = (we.to(device=p.device, dtype=torch.float32, copy=True) if ok else
-                                  torch.zeros(Np, dtype=torch.float32, device=p.device))
-            st["server_error"] = (se.to(device=p.device, dtype=torch.float32, copy=True) if ok else
-                                  torch.zeros(Np // self.size, dtype=torch.float32, device=p.device))
+            fit = self._fitting_errors(we, se, p.numel(), p.device)
+            st["worker_error"], st["server_error"] = fit if fit is not None else (
+                torch.zeros(Np, dtype=torch.float32, device=p.device),
+                torch.zeros(Np // self.size, dtype=torch.float32, device=p.device))
             if "momentum_accumulator" not in st:
                 st["momentum_accumulator"] = torch.zeros_like(p)
         if flags is not None and flags.get("world_size") == self.size:
@@ -229,7 +210,7 @@ class ZeroOneAdam(OnebitOptimizer):
             self.errors_reset = bool(flags["errors_reset"])
             self._set_engine_allreduce(bool(flags["dense_next"]))
             return
-        st0 = next((self.state[p] for p in params if "step" in self.state.get(p, {})), {})
+        st0 = self._loaded_state()
         step = int(st0.get("step", 0))
         self.initialized = step > 0
         self.compression_stage = step > self.var_freeze_step

@@ -70,6 +70,7 @@ class OnebitBackend:
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.codec = Codec(_CODEC)
+        self._alpha = float(torch.tensor(1.0 / self.size, dtype=torch.float32))  # fl32(1 / W), DeepSpeed's factor
         self._templates: Dict[tuple, torch.Tensor] = {}
 
     # -- helpers -------------------------------------------------------------------------------
@@ -138,21 +139,18 @@ class OnebitBackend:
         cboff, csoff = clay[0][1], clay[1][1]
         acc = torch.zeros(C, dtype=torch.float32, device=buf.device)
         pk = aligned_empty(buf, tmpl.numel())
-        alpha = float(torch.tensor(1.0 / W, dtype=torch.float32))
+        pk.copy_(tmpl)  # the header; each rank's bits and scale go in below
         for i in range(W):
-            pk.copy_(tmpl)
             pk[cboff: cboff + cb] = recv[i, :cb]
             pk[csoff: csoff + 4] = recv[i, cb:]
-            self.codec.decode(pk, out=acc, accumulate=True, alpha=alpha)
+            self.codec.decode(pk, out=acc, accumulate=True, alpha=self._alpha)
         p2 = self.codec.encode(acc, residual=server_error)
-        gathered = torch.empty(W * p2.numel(), dtype=torch.uint8, device=buf.device)
+        P2 = p2.numel()  # a multiple of 16: every rank's packet in `gathered` stays 16-byte aligned
+        gathered = aligned_empty(buf, W * P2)
         dist.all_gather_into_tensor(gathered, p2, group=self.group)
         out = buf if inplace else torch.empty(Np, dtype=torch.float32, device=buf.device)
-        P2 = p2.numel()
         for j in range(W):
-            pj = aligned_empty(buf, P2)
-            pj.copy_(gathered[j * P2:(j + 1) * P2])
-            self.codec.decode(pj, out=out[j * C:(j + 1) * C])
+            self.codec.decode(gathered[j * P2:(j + 1) * P2], out=out[j * C:(j + 1) * C])
         if inplace:
             return buffer_m
         result = out[:n].to(buffer_m.dtype).reshape(shape)

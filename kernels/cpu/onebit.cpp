@@ -10,7 +10,7 @@
 // tile sums go to the workspace, the scales follow per chunk, and a second pass over r writes
 // r_new = x' - divisor * D. Packets do not depend on the thread count.
 // Decode: D = bit ? s : -s; out = fl(D * alpha) (D when alpha is 1) or out = fl(out + fl(D * alpha)).
-// Without accumulate every element of a chunk is one of two stored values: runs of 64 bytes and
+// Without accumulate every element of a chunk is one of two stored values: runs of 256 bytes and
 // more copy each byte's 8 elements from a 256-entry table built once per chunk and thread.
 #include <algorithm>
 #include <bit>
@@ -235,7 +235,7 @@ void decode_t(const OnebitPlan& p, const DecodeArgs& a) {
     }
   };
   constexpr int64_t kBlock = 512;  // bytes (4096 elements) per scheduling unit
-  constexpr int64_t kLutMin = 64;  // bytes of one chunk in a block worth a table
+  constexpr int64_t kLutMin = 256;  // bytes of one chunk in a block worth a table (2048 outputs: its size)
   const int64_t nblocks = (nbytes + kBlock - 1) / kBlock;
   TeamClock clock;
 #pragma omp parallel num_threads(T)

@@ -5,7 +5,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
+#include <optional>
+#include <vector>
+
 #include "dlpack_bridge.hpp"
+#include "gradcomp/lowrank.hpp"
 
 namespace py = pybind11;
 using namespace gradcomp;
@@ -79,6 +84,99 @@ py::dict layout_dict(const PacketLayout& l) {
   return d;
 }
 
+// ---- low rank (include/gradcomp/lowrank.hpp) --------------------------------------------------
+// Tensors through DLPack, offsets as a list of ints, the GIL released during the call. The
+// residual and status of reconstruct are raw pointers in the C++ API: their dtype, device and
+// size are checked here.
+namespace lr = gradcomp::lowrank;
+
+lr::MatrixBatch make_batch(const Tensor& base, const std::vector<int64_t>& offsets, int64_t rows, int64_t cols) {
+  lr::MatrixBatch b;
+  b.base = base;
+  b.offsets = offsets.data();
+  b.count = int64_t(offsets.size());
+  b.rows = rows;
+  b.cols = cols;
+  return b;
+}
+Stream as_stream(intptr_t s) { return Stream{reinterpret_cast<void*>(s)}; }
+
+void lowrank_project(py::handle base, const std::vector<int64_t>& offsets, int64_t rows, int64_t cols, py::handle q,
+                     py::handle p, int64_t rank, intptr_t stream) {
+  DLOwner ob, oq, op;
+  const Tensor tb = from_dlpack(base, ob, "lowrank_project: m", stream);
+  const Tensor tq = from_dlpack(q, oq, "lowrank_project: q", stream);
+  const Tensor tp = from_dlpack(p, op, "lowrank_project: p", stream);
+  py::gil_scoped_release nogil;
+  lr::project(make_batch(tb, offsets, rows, cols), tq, tp, rank, as_stream(stream));
+}
+
+void lowrank_back_project(py::handle base, const std::vector<int64_t>& offsets, int64_t rows, int64_t cols,
+                          py::handle p, py::handle q, int64_t rank, intptr_t stream) {
+  DLOwner ob, op, oq;
+  const Tensor tb = from_dlpack(base, ob, "lowrank_back_project: m", stream);
+  const Tensor tp = from_dlpack(p, op, "lowrank_back_project: p", stream);
+  const Tensor tq = from_dlpack(q, oq, "lowrank_back_project: q", stream);
+  py::gil_scoped_release nogil;
+  lr::back_project(make_batch(tb, offsets, rows, cols), tp, tq, rank, as_stream(stream));
+}
+
+void lowrank_orthogonalize(py::handle x, int64_t count, int64_t rows, int64_t rank, float epsilon,
+                           std::optional<uint64_t> redraw_seed, uint64_t redraw_stream, intptr_t stream) {
+  DLOwner ox;
+  const Tensor tx = from_dlpack(x, ox, "lowrank_orthogonalize: x", stream);
+  lr::Redraw rd{redraw_seed.value_or(0), redraw_stream};
+  py::gil_scoped_release nogil;
+  lr::orthogonalize(tx, count, rows, rank, epsilon, redraw_seed ? &rd : nullptr, as_stream(stream));
+}
+
+void lowrank_reconstruct(py::handle out, const std::vector<int64_t>& offsets, int64_t rows, int64_t cols, py::handle p,
+                         py::handle q, int64_t rank, py::handle residual, py::handle status, intptr_t stream) {
+  const char* call = "lowrank_reconstruct";
+  DLOwner oo, op, oq, orr, os;
+  const Tensor to = from_dlpack(out, oo, "lowrank_reconstruct: out", stream);
+  const Tensor tp = from_dlpack(p, op, "lowrank_reconstruct: p", stream);
+  const Tensor tq = from_dlpack(q, oq, "lowrank_reconstruct: q", stream);
+  float* e = nullptr;
+  if (!residual.is_none()) {
+    const Tensor tr = from_dlpack(residual, orr, "lowrank_reconstruct: residual", stream);
+    GRADCOMP_CHECK(tr.dtype == DType::float32, InvalidArgument, call, ": residual has dtype ", dtype_name(tr.dtype),
+                   "; accepted: float32 (residuals are float32)");
+    GRADCOMP_CHECK(tr.device == to.device, InvalidArgument, call, ": residual is on ", to_string(tr.device),
+                   " but out is on ", to_string(to.device), "; all tensors of one call must be on the same device");
+    // the matrices must lie inside the residual as they do inside out (offsets are checked
+    // against out by the core; here against the residual's length)
+    for (size_t b = 0; b < offsets.size(); ++b) {
+      const int64_t o = offsets[b];
+      if (o < 0 || rows < 1 || cols < 1) continue;  // the core names these
+      GRADCOMP_CHECK(cols <= (INT64_MAX - o) / rows && o + rows * cols <= tr.numel,
+                     InvalidArgument, call, ": matrix ", b, " at offset ", o, " with rows * cols = ", rows, " * ",
+                     cols, " reaches past the end of residual (", tr.numel,
+                     " elements); accepted: offset + rows * cols <= residual.numel");
+    }
+    e = tr.ptr<float>();
+  }
+  uint32_t* st = nullptr;
+  if (!status.is_none()) {
+    const Tensor ts = from_dlpack(status, os, "lowrank_reconstruct: status", stream);
+    GRADCOMP_CHECK((ts.dtype == DType::int32 || ts.dtype == DType::uint32) && ts.numel == 1, InvalidArgument, call,
+                   ": status has dtype ", dtype_name(ts.dtype), " and ", ts.numel,
+                   " elements; accepted: one int32 (or uint32) element");
+    GRADCOMP_CHECK(ts.device == to.device, InvalidArgument, call, ": status is on ", to_string(ts.device),
+                   " but out is on ", to_string(to.device), "; all tensors of one call must be on the same device");
+    st = ts.ptr<uint32_t>();
+  }
+  py::gil_scoped_release nogil;
+  lr::reconstruct(make_batch(to, offsets, rows, cols), tp, tq, rank, to, e, st, as_stream(stream));
+}
+
+void lowrank_random_normal(py::handle x, uint64_t seed, uint64_t stream_id, intptr_t stream) {
+  DLOwner ox;
+  const Tensor tx = from_dlpack(x, ox, "lowrank_random_normal: x", stream);
+  py::gil_scoped_release nogil;
+  lr::random_normal(tx, seed, stream_id, as_stream(stream));
+}
+
 } // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -144,6 +242,27 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+
+  // Low rank (PowerSGD; Vogels et al., NeurIPS 2019, algorithm 1): the steps of
+  // include/gradcomp/lowrank.hpp. Use gradcomp.lowrank, not these directly.
+  m.def("lowrank_project", &lowrank_project, py::arg("base"), py::arg("offsets"), py::arg("rows"), py::arg("cols"),
+        py::arg("q"), py::arg("p"), py::arg("rank"), py::arg("stream") = 0,
+        "P[b] = M_b Q[b]: base float32 flat, q float32 [count, cols, rank], p float32 [count, rows, rank] (written).");
+  m.def("lowrank_back_project", &lowrank_back_project, py::arg("base"), py::arg("offsets"), py::arg("rows"),
+        py::arg("cols"), py::arg("p"), py::arg("q"), py::arg("rank"), py::arg("stream") = 0,
+        "Q[b] = M_b^T P[b]: base float32 flat, p float32 [count, rows, rank], q float32 [count, cols, rank] "
+        "(written).");
+  m.def("lowrank_orthogonalize", &lowrank_orthogonalize, py::arg("x"), py::arg("count"), py::arg("rows"),
+        py::arg("rank"), py::arg("epsilon"), py::arg("redraw_seed") = py::none(), py::arg("redraw_stream") = 0,
+        py::arg("stream") = 0,
+        "Orthonormalize the columns of each [rows, rank] matrix of x (float32 [count, rows, rank]) in place.");
+  m.def("lowrank_reconstruct", &lowrank_reconstruct, py::arg("out"), py::arg("offsets"), py::arg("rows"),
+        py::arg("cols"), py::arg("p"), py::arg("q"), py::arg("rank"), py::arg("residual") = py::none(),
+        py::arg("status") = py::none(), py::arg("stream") = 0,
+        "out_b = P[b] Q[b]^T at offsets of out (float32/float16/bfloat16); residual -= P Q^T; status |= 1 on "
+        "non-finite output.");
+  m.def("lowrank_random_normal", &lowrank_random_normal, py::arg("x"), py::arg("seed"), py::arg("stream_id"),
+        py::arg("stream") = 0, "Fill float32 x with Philox4x64-10 / Box-Muller standard normals.");
 
   py::class_<PyCodec>(m, "Codec")
       .def(py::init<const std::string&>(), py::arg("spec"))

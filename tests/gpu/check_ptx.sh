@@ -6,6 +6,12 @@
 #      __f*_rn intrinsics alone) and fails if any kernel entry holds an `fma.rn`;
 #   2. compiles them to cubins with -Xptxas -v (the build's flags) and prints registers, stack
 #      frame and spills per kernel; fails on any spill or stack frame.
+# FMAs are counted per function: in every .entry and in every .func (device functions the compiler
+# kept out of line). One exemption, by name: binary64 fma.rn inside the functions of $FMA64_OK
+# (lowrank.cu's __noinline__ Box-Muller, which calls CUDA's binary64 log and cos, built from FMAs
+# by design, and CUDA's own trig argument reduction). Kernels of $STACK_OK (the ones calling that
+# Box-Muller) may have a stack frame: the 40-byte local array of CUDA's cos slow path (Payne-Hanek
+# reduction for large |x|; the arguments there lie in [0, 2 pi)); spills still fail.
 # Usage: tests/gpu/check_ptx.sh [--arch sm_90] [--keep DIR] [--no-fail-spills]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -17,7 +23,7 @@ while [[ $# -gt 0 ]]; do
     --arch) arch=$2; shift 2 ;;
     --keep) keep=$2; shift 2 ;;
     --no-fail-spills) fail_spills=0; shift ;;
-    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
     *) echo "check_ptx.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -27,7 +33,11 @@ FILT=$(command -v cu++filt || true)
 [[ -z "$FILT" && -x "$(dirname "$(command -v "$NVCC")")/cu++filt" ]] && FILT="$(dirname "$(command -v "$NVCC")")/cu++filt"
 demangle() { if [[ -n "$FILT" ]]; then "$FILT"; else c++filt; fi; }
 # shorten "gradcomp::detail::cuda::(anonymous namespace)::" and argument lists for the report
-shorten() { sed -E 's/gradcomp::detail::cuda::\(anonymous namespace\):://g; s/gradcomp::detail::cuda:://g; s/\(.*$//'; }
+shorten() { sed -E 's/gradcomp::detail::cuda::\(anonymous namespace\):://g; s/gradcomp::detail::cuda:://g;
+                   s/gradcomp::lowrank::detail::\(anonymous namespace\):://g; s/\(.*$//'; }
+
+FMA64_OK='lowrank_box_muller|__internal_trig_reduction_slowpathd'
+STACK_OK='lowrank_normal_kernel|lowrank_ortho_kernel'
 
 out=${keep:-$(mktemp -d)}
 mkdir -p "$out"
@@ -38,11 +48,13 @@ printf '%-8s %-72s %5s %6s %7s\n' file kernel regs stack spills
 
 for cu in "$root"/kernels/cuda/*.cu; do
   name=$(basename "$cu" .cu)
-  # --- 1. PTX, default fmad: count fma.rn per .entry --------------------------------------------------
+  # --- 1. PTX, default fmad: count fma.rn per .entry and per .func ----------------------------------
   "$NVCC" "${flags[@]}" -arch="$arch" -ptx "$cu" -o "$out/$name.ptx"
-  awk '
-    /^\.(visible )?\.entry/ { fn = $0; sub(/.*\.entry[ \t]+/, "", fn); sub(/\(.*/, "", fn) }
-    /fma\.rn/ { if (fn != "") n[fn]++ }
+  awk -v ok="$FMA64_OK" '
+    /^(\.visible |\.weak )?\.entry/ { fn = $0; sub(/.*\.entry[ \t]+/, "", fn); sub(/\(.*/, "", fn) }
+    /^(\.visible |\.weak |\.extern )?\.func/ {
+      fn = $0; sub(/.*\.func[ \t]*/, "", fn); sub(/^\([^)]*\)[ \t]*/, "", fn); sub(/[( \t;].*/, "", fn) }
+    /fma\.rn/ { if (fn != "" && !($0 ~ /fma\.rn\.f64/ && fn ~ ok)) n[fn]++ }
     END { for (f in n) print n[f], f }' "$out/$name.ptx" > "$out/$name.fma"
   if [[ -s "$out/$name.fma" ]]; then
     while read -r cnt fn; do
@@ -60,7 +72,9 @@ for cu in "$root"/kernels/cuda/*.cu; do
   while read -r fn regs stack spill; do
     pretty=$(echo "$fn" | demangle | shorten)
     printf '%-8s %-72s %5s %6s %7s\n' "$name" "${pretty:0:72}" "$regs" "$stack" "$spill"
-    if [[ "$stack" != 0 || "$spill" != 0 ]]; then
+    if [[ "$spill" == 0 && "$stack" != 0 && "$fn" =~ $STACK_OK ]]; then
+      echo "  (allowed: $pretty: ${stack} bytes stack frame of CUDA's cos slow path, no spills)"
+    elif [[ "$stack" != 0 || "$spill" != 0 ]]; then
       echo "SPILL $name.cu: $pretty: ${stack} bytes stack frame, ${spill} bytes spilled" >&2
       [[ $fail_spills == 1 ]] && status=1
     fi
@@ -68,7 +82,7 @@ for cu in "$root"/kernels/cuda/*.cu; do
 done
 
 if [[ $status == 0 ]]; then
-  echo "check_ptx: OK (no fma.rn in any kernel, no spills, no stack frames) [$arch]"
+  echo "check_ptx: OK (no fma.rn in any kernel or device function beyond the binary64 log/cos exemption, no spills, no stack frames beyond the cos slow path's) [$arch]"
 else
   echo "check_ptx: FAILED" >&2
 fi

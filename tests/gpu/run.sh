@@ -4,9 +4,11 @@
 #   1. prints the tool versions it finds;
 #   2. configures for sm_90 with the tests, the Python module and (when Google Benchmark is there)
 #      the benchmarks in build-gpu/, and builds -- the tests never need Google Benchmark;
-#   3. the CUDA gtests (GRADCOMP_REQUIRE_GPU=1: a test that would skip for want of a GPU fails);
-#   4. tests/python/test_cuda.py and the codec contract suite on CUDA (pytest --pyargs
-#      gradcomp.testing -k cuda) against the module just built, GRADCOMP_REQUIRE_GPU=1;
+#   3. the CUDA gtests (GRADCOMP_REQUIRE_GPU=1: a test that would skip for want of a GPU fails;
+#      gradcomp_cuda_tests holds the codecs' and low rank's, CudaLowrank.*);
+#   4. tests/python/test_cuda.py, the CUDA cases of tests/python/test_lowrank.py (-k cuda) and the
+#      codec contract suite on CUDA (pytest --pyargs gradcomp.testing -k cuda) against the module
+#      just built, GRADCOMP_REQUIRE_GPU=1;
 #   5. the CUDA benchmarks (bench_cuda, JSON into the log).
 # It FAILS (exit 1) when anything fails, when the Python module cannot be built, when pytest
 # collects no CUDA test, or when no GPU is visible: a run cannot pass empty.
@@ -30,7 +32,7 @@ while [[ $# -gt 0 ]]; do
     --build-only) build_only=1; shift ;;
     --jobs) jobs=$2; shift 2 ;;
     --no-python) python=OFF; shift ;;
-    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -78,6 +80,14 @@ if [[ -d $carry ]]; then
   fi
   prefix+=("$carry")
   export CPATH="$carry/include${CPATH:+:$CPATH}" # Random123, dlpack for any compile
+  [[ -f $carry/include/Random123/philox.h ]] && args+=(-DGRADCOMP_RANDOM123_INCLUDE_DIR="$carry/include")
+  # OpenBLAS (the CPU low-rank GEMMs): CMakeLists.txt's cache variables, and the loader path for
+  # libopenblas.so.0 and its libgfortran / libquadmath (the linker resolves them through it too)
+  if [[ -f $carry/openblas/lib/libopenblas.so.0 ]]; then
+    args+=(-DGRADCOMP_OPENBLAS_INCLUDE_DIR="$carry/openblas/include"
+           -DGRADCOMP_OPENBLAS_LIBRARY="$carry/openblas/lib/libopenblas.so.0")
+    export LD_LIBRARY_PATH="$carry/openblas/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
 else
   echo "no gpu-carry/ (run tests/gpu/prepare_carry.sh where the dependencies are installed)"
 fi
@@ -119,7 +129,7 @@ if [[ -x $build/tests/cpp/gradcomp_tests ]]; then
     failures+=("gradcomp_tests CudaPlan*")
 fi
 
-section "pytest: test_cuda.py and the contract suite on CUDA"
+section "pytest: test_cuda.py, test_lowrank.py -k cuda and the contract suite on CUDA"
 so=$(compgen -G "$build/_C*.so" | head -1 || true)
 if [[ $python == ON && -n $so ]]; then
   # Stage the package with the module just built (the source tree may hold another build's _C).
@@ -132,6 +142,15 @@ if [[ $python == ON && -n $so ]]; then
   rc=$?
   [[ $rc == 5 ]] && echo "pytest: test_cuda.py collected no test"
   [[ $rc != 0 ]] && failures+=("pytest tests/python/test_cuda.py (rc $rc)")
+  if [[ -f tests/python/test_lowrank.py ]]; then
+    timeout 120 "$py" -m pytest tests/python/test_lowrank.py -k cuda -q -p no:cacheprovider \
+      --junitxml="$log/pytest_lowrank_cuda.xml"
+    rc=$?
+    [[ $rc == 5 ]] && echo "pytest: test_lowrank.py collected no CUDA case"
+    [[ $rc != 0 ]] && failures+=("pytest tests/python/test_lowrank.py -k cuda (rc $rc)")
+  else
+    echo "tests/python/test_lowrank.py is missing"; failures+=("tests/python/test_lowrank.py (missing)")
+  fi
   # the plugin: the installed package's pytest11 entry point, or by name from the staged sources
   plug=$("$py" -c 'import importlib.metadata as m; print("" if any(e.name == "gradcomp" for e in m.entry_points(group="pytest11")) else "-p gradcomp.testing.plugin")')
   (cd "$log" && timeout 90 "$py" -m pytest $plug --pyargs gradcomp.testing -k cuda -q \

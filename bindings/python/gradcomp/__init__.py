@@ -2,7 +2,8 @@
 
 Codecs (``gradcomp.Codec(spec)``) compress a flat float32/float16/bfloat16 gradient into a
 fixed-size packet (see the README: codecs and packets); ``gradcomp.torch`` turns them into PyTorch DDP
-communication hooks.
+communication hooks; ``gradcomp.lowrank`` exposes the steps of PowerSGD low-rank compression
+(Vogels et al., NeurIPS 2019) over torch tensors.
 
 Errors: ``InvalidArgumentError`` (ValueError) for bad arguments, ``CorruptPacketError``
 (ValueError) for packets that fail validation, ``UnsupportedError`` (RuntimeError) for requests
@@ -19,6 +20,7 @@ from ._C import (  # noqa: F401
     set_num_threads,
 )
 from .codec import Codec, aligned_empty, build_info, check, codecs  # noqa: F401
+from . import lowrank  # noqa: F401  (PowerSGD low-rank steps: gradcomp.lowrank.project, ...)
 
 __version__ = build_info()["version"]
 
@@ -26,6 +28,7 @@ __all__ = [
     "Codec",
     "aligned_empty",
     "codecs",
+    "lowrank",
     "CorruptPacketError",
     "CudaError",
     "Error",

@@ -24,10 +24,16 @@ Ratios (``summarize``): packet_ratio = packet bytes / dense bytes; wire_ratio = 
 the scheme / bytes a ring allreduce of the dense bucket sends; bits per element = 8 * packet
 bytes / numel.
 
+  - powersgd (low rank, :func:`powersgd_bytes`): per bucket one float32 ring allreduce of the
+    tensors sent dense together with the P factors, then one of the Q factors.
 Sources of two_phase: the error-compensated compressed allreduce of DeepSpeed's 1-bit Adam (Tang
 et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence Speed",
 ICML 2021) and ZeRO++'s quantized gradient reduction qgZ (Wang et al., "ZeRO++: Extremely
 Efficient Collective Communication for Giant Model Training", 2023).
+
+Source of powersgd: Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient
+Compression for Distributed Optimization", NeurIPS 2019, algorithm 1; the rule of which tensors
+are compressed is PyTorch's ``powerSGD_hook._should_compress``.
 
 Callers: ``gradcomp.torch.Compressor`` (scheme choice, the accounting in ``stats()``) and through it
 the DDP hook and the experiment harness.
@@ -230,3 +236,49 @@ def summarize(totals: Mapping[str, float]) -> Dict[str, float]:
     return {"packet_ratio": ratio(totals["packet_bytes"], totals["dense_bytes"]),
             "wire_ratio": ratio(totals["sent_bytes"], totals["ring_bytes"]),
             "bits_per_element": ratio(8.0 * totals["packet_bytes"], totals["numel"])}
+
+
+def powersgd_rank(shape, rank: int, min_compression_rate: float = 2.0, min_numel: int = 0) -> int:
+    """The rank PowerSGD uses for a tensor of ``shape`` viewed as a matrix [n, m] (n = shape[0],
+    m = the product of the rest), or 0 when it is sent dense: tensors of fewer than 2 dimensions
+    or of fewer than ``min_numel`` elements; else r = min(n, m, rank), and the tensor is compressed
+    only when ``(n + m) r * min_compression_rate < n m`` (PyTorch's ``_should_compress``).
+
+    Raises:
+        ValueError: rank < 1 or min_compression_rate <= 0.
+    """
+    if int(rank) < 1:
+        raise ValueError(f"planner: powersgd rank={rank}; accepted: an int >= 1")
+    if not min_compression_rate > 0:
+        raise ValueError(f"planner: min_compression_rate={min_compression_rate}; accepted: a number > 0")
+    shape = tuple(int(d) for d in shape)
+    if len(shape) < 2:
+        return 0
+    n = shape[0]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel == 0 or numel < int(min_numel):
+        return 0
+    m = numel // n
+    r = min(n, m, int(rank))
+    return r if (n + m) * r * min_compression_rate < n * m else 0
+
+
+def powersgd_bytes(numel: int, dtype: Any, dense_numel: int, p_numel: int, q_numel: int,
+                   world_size: int) -> Dict[str, float]:
+    """Byte accounting of one bucket under PowerSGD, as ``gradcomp.torch.powersgd_hook`` sends it:
+    the ``dense_numel`` elements of the tensors sent dense and the ``p_numel`` elements of the P
+    factors in one float32 allreduce, then the ``q_numel`` elements of the Q factors in a second.
+
+    Returns the :func:`bucket_bytes` fields: ``dense_bytes`` = the bucket in ``dtype``;
+    ``packet_bytes`` = 4 (dense_numel + p_numel + q_numel); ``sent_bytes`` = ring allreduce of
+    4 (dense_numel + p_numel) plus ring allreduce of 4 q_numel; ``ring_bytes`` = ring allreduce of
+    dense_bytes.
+    """
+    dense = dense_bytes(numel, dtype)
+    first = 4 * (int(dense_numel) + int(p_numel))
+    second = 4 * int(q_numel)
+    return {"dense_bytes": dense, "packet_bytes": first + second,
+            "sent_bytes": ring_allreduce_bytes(first, world_size) + ring_allreduce_bytes(second, world_size),
+            "ring_bytes": ring_allreduce_bytes(dense, world_size)}

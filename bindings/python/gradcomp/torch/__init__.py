@@ -22,11 +22,16 @@ Usage::
     new_ddp.load_state_dict(ck["state_dict"])
     gradcomp.torch.register(new_ddp, state=ck["comm_hook_state"])
 
+    # PowerSGD (low rank), PyTorch's PowerSGDState options
+    state = gradcomp.torch.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=10,
+                                         ddp_model=ddp_model)
+    ddp_model.register_comm_hook(state, gradcomp.torch.powersgd_hook)
+
 The codec is always given: there is no default. See :class:`Compressor` and
 :class:`CompressionState` for the schemes, error feedback, the non-finite rule, loss scaling,
 checkpoints and the byte accounting; the README's "Compressed allreduce for any training loop" and
 "DDP communication hook" sections are the user guide. Modules: ``compressor`` (the allreduce),
-``hook`` (DDP), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
+``hook`` (DDP), ``powersgd`` (low rank: Vogels et al., NeurIPS 2019), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
 reads, the log handler), ``pool`` (a gloo process pool for tests and experiments).
 
 Sources: PyTorch DDP communication hooks (``torch.distributed.algorithms.ddp_comm_hooks``,
@@ -38,5 +43,7 @@ and other Gradient Compression Schemes", ICML 2019.
 
 from .compressor import Compressor  # noqa: F401
 from .hook import CompressionState, compression_hook, register  # noqa: F401
+from .powersgd import PowerSGDCompressor, PowerSGDState, powersgd_hook  # noqa: F401
 
-__all__ = ["Compressor", "CompressionState", "compression_hook", "register"]
+__all__ = ["Compressor", "CompressionState", "compression_hook", "register", "PowerSGDState", "powersgd_hook",
+           "PowerSGDCompressor"]

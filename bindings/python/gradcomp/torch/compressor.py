@@ -158,6 +158,14 @@ class Compressor:
         gradcomp.InvalidArgumentError: a bad codec spec.
     """
 
+    def __new__(cls, codec: Any = None, *args, **kwargs):
+        # "powersgd:rank=R" is not a codec (a two-round protocol): its own compressor
+        if cls is Compressor and isinstance(codec, str) and codec.partition(":")[0].strip() == "powersgd":
+            from .powersgd import PowerSGDCompressor
+
+            return PowerSGDCompressor(codec, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, codec: Any, scheme: str = "auto", error_feedback: bool = True, group=None, *,
                  min_compress_numel: int = 1024, nonfinite: str = "restore", on_corrupt: str = "raise",
                  log_every: int = 0):

@@ -73,6 +73,32 @@ def check_ddp_model(model, what: str) -> None:
                     f"averages any tensor with the same codecs and error feedback.")
 
 
+def hook_joins(state, ddp_model) -> None:
+    """Mark hook calls made for a joined rank: DDP's join hook replays the comm hook on zero
+    buckets through ``ddp._match_all_reduce_for_bwd_pass``; wrap that method on this instance so
+    that ``state._joined`` is True during those calls (any hook state with a ``_joined``
+    attribute; binding another state to the same model moves the mark to it)."""
+    inner = getattr(ddp_model, "_match_all_reduce_for_bwd_pass", None)
+    if inner is None:
+        return
+    if getattr(inner, "_gradcomp_wrapped", False):  # bound before: the wrapper marks this state now
+        inner._gradcomp_state[0] = state
+        return
+    states = [state]
+
+    def wrapped(*args, **kwargs):
+        st = states[0]
+        st._joined = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            st._joined = False
+
+    wrapped._gradcomp_wrapped = True
+    wrapped._gradcomp_state = states
+    object.__setattr__(ddp_model, "_match_all_reduce_for_bwd_pass", wrapped)
+
+
 class CompressionState:
     """State of the gradcomp DDP communication hook for one DDP model on one rank.
 
@@ -331,27 +357,8 @@ class CompressionState:
 
     # -- join() support ------------------------------------------------------------------------
     def _hook_joins(self, ddp_model):
-        """Mark hook calls made for a joined rank: DDP's join hook replays the comm hook on zero
-        buckets through ``ddp._match_all_reduce_for_bwd_pass``; wrap that method on this instance."""
-        inner = getattr(ddp_model, "_match_all_reduce_for_bwd_pass", None)
-        if inner is None:
-            return
-        if getattr(inner, "_gradcomp_wrapped", False):  # bound before: the wrapper marks this state now
-            inner._gradcomp_state[0] = self
-            return
-        states = [self]
+        hook_joins(self, ddp_model)
 
-        def wrapped(*args, **kwargs):
-            state = states[0]
-            state._joined = True
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                state._joined = False
-
-        wrapped._gradcomp_wrapped = True
-        wrapped._gradcomp_state = states
-        object.__setattr__(ddp_model, "_match_all_reduce_for_bwd_pass", wrapped)
     @property
     def joined(self) -> bool:
         """True while DDP replays the hook for this rank after it joined (``ddp_model.join()``):
@@ -501,7 +508,9 @@ def register(ddp_model, codec: Any = None, *, state: Optional[CompressionState] 
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
         codec: the codec spec or :class:`gradcomp.Codec` (required unless ``state`` is given:
             there is no default codec), e.g. ``"none"``, ``"fp16"``, ``"bf16"``,
-            ``"topk:ratio=0.01"``.
+            ``"topk:ratio=0.01"``; or ``"powersgd:rank=R"``, which registers
+            :func:`gradcomp.torch.powersgd_hook` with a :class:`gradcomp.torch.PowerSGDState`
+            instead (:func:`gradcomp.torch.powersgd.register_powersgd`) and returns that state.
         state: a CompressionState to register instead of a new one.
         kwargs: the other arguments of :class:`CompressionState` (with ``state``: only
             ``process_group`` and ``strict``, as :meth:`CompressionState.bind` takes them).
@@ -513,6 +522,10 @@ def register(ddp_model, codec: Any = None, *, state: Optional[CompressionState] 
         ValueError, KeyError: as :class:`CompressionState` / :meth:`CompressionState.bind`.
     """
     check_ddp_model(ddp_model, "gradcomp.torch.register")
+    if state is None and isinstance(codec, str) and codec.partition(":")[0].strip() == "powersgd":
+        from .powersgd import register_powersgd
+
+        return register_powersgd(ddp_model, codec, **kwargs)
     if state is not None:
         if codec is not None:
             raise TypeError("gradcomp.torch.register: give codec= (a new state) or state= (an existing one), not both")

@@ -388,6 +388,10 @@ class ResidualStore:
         t = self._tensor(key)
         return None if t is None else t.numel()
 
+    def empty(self) -> bool:
+        """Whether no parameter holds a residual (no slice in a layout, none pending)."""
+        return not self._slice and not self._pending
+
     def state(self) -> Dict[str, torch.Tensor]:
         """``{key: float32 1-D copy}`` of every parameter that holds a residual."""
         keys = list(self._slice) + list(self._pending)

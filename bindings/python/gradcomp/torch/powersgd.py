@@ -319,11 +319,12 @@ class _LowRank:
                 dl = self.store.layout((key, "dense"), plan.numel, plan.dtype, plan.device, plan.dense_names)
                 self.store.flush(dl, flat)  # residuals of parameters sent dense join their gradient
             plan.flush_dense = False
+        # restore mode writes M = g + e into the residual's backup buffer: the residual slot
+        # keeps e until the step is known finite (then the two swap: no copy, no restore pass)
+        double = ef and self.store.nonfinite == "restore"
         if ef:
             res = plan.lay.residual
-            self.store.snapshot(plan.lay)
-            res.add_(flat)  # M = g + e in the residual slot (its dense ranges are zeroed after)
-            M = res
+            M = torch.add(res, flat, out=plan.lay.backups["residual"]) if double else res.add_(flat)
         elif plan.dtype == torch.float32:
             M = flat
         else:
@@ -363,8 +364,17 @@ class _LowRank:
                 nf = nf | torch.isfinite(plan.comm1[:d]).logical_not().any()
             if ef:
                 if plan.dense_idx is not None:
-                    M.index_fill_(0, plan.dense_idx, 0.0)
-                self.store.settle(plan.lay, nf)
+                    M.index_fill_(0, plan.dense_idx, 0.0)  # M's dense ranges held g: no residual there
+                if not double:  # reset: zero the residual of a non-finite step
+                    if M.is_cuda:
+                        self.store.settle(plan.lay, nf)
+                    elif bool(nf):
+                        M.zero_()
+                elif M.is_cuda:  # no host read on CUDA: M becomes the residual unless non-finite
+                    self.store.swap_backup(plan.lay)
+                    self.store.settle(plan.lay, nf)
+                elif not bool(nf):  # CPU: reading the flag costs nothing
+                    self.store.swap_backup(plan.lay)
             if self.warm_start and plan.q_numel:
                 torch.where(nf, plan.qbak, plan.q, out=plan.q)
             self._stats.mark_nonfinite(rec, nf)

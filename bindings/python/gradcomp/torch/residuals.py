@@ -218,6 +218,12 @@ class ResidualStore:
             else:
                 t.masked_fill_(nonfinite, 0.0)
 
+    def swap_backup(self, lay: Layout, name: str = "residual") -> None:
+        """Exchange slot ``name`` with its backup (``"restore"`` only): a caller that wrote the new
+        value into the backup buffer (leaving the slot as it was before the step) makes it
+        current this way, without a copy; the old value becomes the backup."""
+        lay.slots[name], lay.backups[name] = lay.backups[name], lay.slots[name]
+
     def flush(self, lay: Layout, flat: torch.Tensor) -> List[Tuple[str, Optional[torch.Tensor]]]:
         """Parameters of ``lay`` going dense: add each one's residual (rounded to ``flat``'s dtype)
         to its slice of the flat bucket ``flat`` and forget it (a layout slice is zeroed).

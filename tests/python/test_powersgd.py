@@ -450,3 +450,42 @@ def test_bad_options_are_named():
         gt.powersgd._parse_spec("powersgd:ratio=2")
     with pytest.raises(ValueError, match="rank='x'"):
         gt.powersgd._parse_spec("powersgd:rank=x")
+
+
+def job_join(rank, world):
+    """Uneven inputs under ddp.join(): the joined rank sends zeros and keeps its residuals and Q;
+    the other rank's steps equal a PowerSGD average of (its M + 0) / 2 (checked against a second
+    run where rank 0 sends exact zero gradients instead of joining)."""
+    torch.manual_seed(0)
+    base = Params([(30, 20), (20,)])
+    outs = {}
+    for label in ("join", "zeros"):
+        m = ddp(copy.deepcopy(base))
+        st = gt.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=0, ddp_model=m)
+        m.register_comm_hook(st, gt.powersgd_hook)
+        res = []
+        with m.join(enable=(label == "join")):
+            for s in range(2 if (rank == 0 and label == "join") else 4):
+                gs = grads_for(base, rank, s, seed=SEED)
+                if rank == 0 and s >= 2:
+                    gs = [torch.zeros_like(g) for g in gs]
+                res.append(step(m, gs))
+                if rank == 0 and s == 1:
+                    kept = st.state_dict()
+        outs[label] = (res, st)
+    (a, sa), (b, sb) = outs["join"], outs["zeros"]
+    if rank == 1:  # the same averages whether rank 0 joined or sent zeros (its residual is not added)
+        for s in (0, 1):
+            assert all(same_bits(x, y) for x, y in zip(a[s], b[s])), s
+        for s in (2, 3):
+            assert all(bool(torch.isfinite(x).all()) for x in a[s])
+    else:  # the joined rank kept its residuals and Qs from its last step
+        after = sa.state_dict()
+        for k in kept["residuals"]:
+            assert same_bits(kept["residuals"][k], after["residuals"][k]), k
+        assert sa.iter == 4
+    return True
+
+
+def test_join_uneven_inputs():
+    assert run(2, job_join) == [True, True]

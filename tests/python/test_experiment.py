@@ -1,5 +1,7 @@
-"""End to end: ``python -m gradcomp.experiments`` on a tiny setting (2 gloo workers, 1 seed,
-2 epochs, 3 codecs with error feedback on: one per scheme auto picks), checking the files it writes. No numeric tolerance is
+"""End to end: ``python -m gradcomp.experiments --task digits`` on a tiny setting (2 gloo workers,
+1 seed, 2 epochs, 3 codecs with error feedback on: one per scheme auto picks), checking the files
+it writes; and the default and ``--full`` digits sweeps as planned (the charlm task:
+test_charlm.py). No numeric tolerance is
 involved except the ratio checks below (stated inline)."""
 
 import csv
@@ -19,7 +21,7 @@ pytest.importorskip("tqdm")
 
 def test_experiment_end_to_end(tmp_path):
     out = tmp_path / "res"
-    cmd = [sys.executable, "-m", "gradcomp.experiments", "--workers", "2", "--seeds", "1",
+    cmd = [sys.executable, "-m", "gradcomp.experiments", "--task", "digits", "--workers", "2", "--seeds", "1",
            "--epochs", "2", "--codecs", "none;topk:ratio=0.01;int8", "--ef", "on", "--out", str(out),
            "--no-progress", "--optimizer-seeds", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
@@ -81,43 +83,55 @@ def test_experiment_end_to_end(tmp_path):
 
     with open(out / "accuracy_vs_bits.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # --task digits: no charlm files
+    assert not any(name.startswith("charlm_") for name in os.listdir(out))
 
 
 def test_default_sweep_plan():
-    """The default sweep as the README's "The main job" documents it (no process is started):
-    its codecs, 41 SGD runs, codec none without error feedback only (under --ef both), 3 seeds for
-    none, top-k and onebit, 1 for the casts and the block quantizers; auto picks two_phase for
-    onebit; then Adam and 1-bit Adam, 2 seeds each."""
+    """The digits sweep as the README's "The main job" documents it (no process is started): by
+    default 10 codecs, 28 SGD runs, codec none without error feedback only (under --ef both), 2
+    seeds for none, top-k and onebit, 1 for the casts and the block quantizers, then Adam and 1-bit
+    Adam with 1 seed each (30 runs); with --full the sweep that was the default before the charlm
+    task: the fp8 variants e5m2 and e8m0 too, 3 seeds and 2 per optimizer row (45 runs). auto
+    picks two_phase for onebit."""
     import torch
 
     from gradcomp import planner
     from gradcomp.codec import Codec
     from gradcomp.experiments.__main__ import parse_args, plan_runs
 
-    a = parse_args([])
-    assert a.codec_list == ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
-                            "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit"]
-    runs = plan_runs(a)
-    assert len(runs) == 45
-    # the optimizer rows come last: torch's Adam and gradcomp's 1-bit Adam, 2 seeds each
-    assert [(r["codec"], r["optimizer"], r["error_feedback"], r["seed"]) for r in runs[41:]] == [
-        ("Adam", "adam", False, 0), ("Adam", "adam", False, 1),
-        ("1-bit Adam", "onebit_adam", True, 0), ("1-bit Adam", "onebit_adam", True, 1)]
-    assert all(r["optimizer"] == "sgd" for r in runs[:41])
-    assert runs[43]["freeze_fraction"] == 0.15 and runs[43]["adam_lr"] == 1e-3 and runs[43]["adam_eps"] == 1e-4
-    assert len(plan_runs(parse_args(["--optimizers", ""]))) == 41
+    codecs = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "fp8", "int8",
+              "int4", "onebit"]
+    full = codecs[:7] + ["fp8:format=e5m2", "fp8:scale=e8m0"] + codecs[7:]
+    for argv, cl, n_seeds, n_opt_seeds, n_sgd in (([], codecs, 2, 1, 28), (["--full"], full, 3, 2, 41)):
+        a = parse_args(argv)
+        assert a.tasks == ["digits", "charlm"]
+        d = a.digits
+        assert d.codec_list == cl and d.ef == "both" and d.epochs == 30
+        runs = plan_runs(d)
+        assert len(runs) == n_sgd + 2 * n_opt_seeds
+        # the optimizer rows come last: torch's Adam and gradcomp's 1-bit Adam
+        assert [(r["codec"], r["optimizer"], r["error_feedback"], r["seed"]) for r in runs[n_sgd:]] == (
+            [("Adam", "adam", False, s) for s in range(n_opt_seeds)]
+            + [("1-bit Adam", "onebit_adam", True, s) for s in range(n_opt_seeds)])
+        assert all(r["optimizer"] == "sgd" for r in runs[:n_sgd])
+        onebit_adam = runs[n_sgd + n_opt_seeds]
+        assert onebit_adam["freeze_fraction"] == 0.15 and onebit_adam["adam_lr"] == 1e-3
+        assert onebit_adam["adam_eps"] == 1e-4
+        assert len(plan_runs(parse_args(argv + ["--optimizers", ""]).digits)) == n_sgd
+        seeds = {}
+        for r in runs:
+            seeds.setdefault((r["codec"], r["error_feedback"]), []).append(r["seed"])
+        assert seeds[("none", False)] == list(range(n_seeds)) and ("none", True) not in seeds
+        for c in ("topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "onebit"):
+            assert seeds[(c, False)] == seeds[(c, True)] == list(range(n_seeds))
+        for c in cl:
+            if c.partition(":")[0] in ("fp16", "bf16", "fp8", "int8", "int4"):
+                assert seeds[(c, False)] == seeds[(c, True)] == [0]
     with pytest.raises(SystemExit):
         parse_args(["--optimizers", "lamb"])
-    seeds = {}
-    for r in runs:
-        seeds.setdefault((r["codec"], r["error_feedback"]), []).append(r["seed"])
-    assert seeds[("none", False)] == [0, 1, 2] and ("none", True) not in seeds
-    for c in ("topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "onebit"):
-        assert seeds[(c, False)] == seeds[(c, True)] == [0, 1, 2]
-    for c in ("fp16", "bf16", "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4"):
-        assert seeds[(c, False)] == seeds[(c, True)] == [0]
-    # an explicit --ef on still runs codec none with error feedback
-    only_none = plan_runs(parse_args(["--codecs", "none", "--ef", "on", "--optimizers", ""]))
+    # an explicit --ef on still runs codec none with error feedback; --seeds overrides the default
+    only_none = plan_runs(parse_args(["--codecs", "none", "--ef", "on", "--optimizers", "", "--seeds", "3"]).digits)
     assert [r["error_feedback"] for r in only_none] == [True] * 3
     # onebit takes two_phase under auto for buckets of the harness's sizes (W = 4)
     for n in (2570, 82432):

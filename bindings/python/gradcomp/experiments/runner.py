@@ -8,9 +8,9 @@ same permutation on every rank) and dealt round-robin to the W ranks (Distribute
 the tail dropped so every rank takes the same number of steps).
 
 Model: an MLP 64 -> hidden -> hidden -> 10 with ReLU, float32, trained with SGD + momentum on the
-cross-entropy, wrapped in DDP with a small ``bucket_cap_mb`` and the gradcomp hook with
-``min_compress_numel=0`` and ``start_iter=0`` (every bucket is compressed from the first step,
-so DDP's bucket rebuild after step 1 remaps the residuals).
+cross-entropy, wrapped in DDP with a small ``bucket_cap_mb`` and the gradcomp hook
+(:func:`register_hook`) with ``min_compress_numel=0`` and ``start_iter=0`` (every bucket is
+compressed from the first step, so DDP's bucket rebuild after step 1 remaps the residuals).
 """
 
 import math
@@ -51,6 +51,20 @@ def make_model(hidden: int):
                          nn.Linear(hidden, 10))
 
 
+def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int):
+    """Register the gradcomp hook of a run on the DDP model and return its state (whose
+    ``stats()`` the run reports): ``gradcomp.torch.register`` with the codec spec, error feedback
+    and ``start_iter``; for a :class:`gradcomp.Codec` spec also scheme ``auto`` and
+    ``min_compress_numel=0`` (every bucket compressed), for a ``powersgd:rank=R`` spec (the
+    low-rank hook, which ``register`` dispatches to) nothing more. Both tasks register this way."""
+    import gradcomp.torch as gt
+
+    if codec.partition(":")[0].strip() == "powersgd":
+        return gt.register(ddp, codec=codec, error_feedback=error_feedback, start_iter=start_iter)
+    return gt.register(ddp, codec=codec, error_feedback=error_feedback, scheme="auto", start_iter=start_iter,
+                       min_compress_numel=0)
+
+
 def train_run(rank: int, world: int, cfg: dict) -> dict:
     """One training run on this rank (a pool job). ``cfg`` keys: codec, error_feedback, seed,
     epochs, lr, momentum, batch_size (per rank), hidden, bucket_cap_mb, weight_decay.
@@ -61,8 +75,6 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    import gradcomp.torch as gt
 
     from ..torch.pool import report
 
@@ -80,8 +92,7 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     state = None
     peak_lr = cfg["lr"]
     if kind == "sgd":
-        state = gt.register(ddp, codec=cfg["codec"], error_feedback=cfg["error_feedback"],
-                            scheme="auto", start_iter=0, min_compress_numel=0)
+        state = register_hook(ddp, cfg["codec"], cfg["error_feedback"], start_iter=0)
         opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
                               weight_decay=cfg.get("weight_decay", 0.0))
     elif kind == "adam":  # torch's Adam under plain DDP: every step allreduces the float32 gradients

@@ -4,10 +4,14 @@
 //   encode, with and without error feedback: top-k (k = 1% and 0.1%) and the fp16 / bf16 casts of
 //     float32; the block quantizers fp8 (e4m3 and e5m2, block 128; e4m3 with e8m0 scales, block
 //     32), int8 and int4 (block 128), and onebit (one l2 scale) of float32 and bfloat16 input;
-//   decode (replace, into the input's dtype): the same codecs, float32 and bfloat16.
+//   decode (replace, into the input's dtype): the same codecs, float32 and bfloat16;
+//   lowrank::project (P = M Q) and back_project (Q = M^T P) of PowerSGD (gradcomp/lowrank.hpp) at
+//     ranks 1 (OpenBLAS sgemv), 2..16 (gradcomp's kernels) and 32 (OpenBLAS sgemm), on batches
+//     of 1 and 8 matrices of 4096 x 4096, 1024 x 25088 (a VGG fc layer) and 2048 x 512.
 //
 // Every benchmark reports bytes_per_second from the compulsory traffic (encode: x read, packet
-// written, residual read and written; decode: packet read, out written), and the counters
+// written, residual read and written; decode: packet read, out written; project / back_project:
+// M, Q and P each read or written once), and the counters
 //   GBps       the same figure in 1e9 bytes/s,
 //   copy_GBps  what the most recent memcpy run measured at the same thread count (bytes read +
 //              written; with --benchmark_repetitions, the last repetition's figure),
@@ -20,6 +24,7 @@
 // CPU column of the residual runs includes that copy while Time does not).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +35,7 @@
 #include <vector>
 
 #include "gradcomp/gradcomp.hpp"
+#include "gradcomp/lowrank.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -203,6 +209,51 @@ constexpr int kQuantCodecs = int(sizeof(kQuant) / sizeof(kQuant[0]));
 void BM_Quant_Encode(benchmark::State& s) { run_encode(s, kQuant[s.range(3)]); }
 void BM_Quant_Decode(benchmark::State& s) { run_decode(s, kQuant[s.range(2)]); }
 
+// lowrank::project (op 0) or back_project (op 1) of `count` float32 matrices of one shape, stored
+// back to back (M: the shared input, repeated); args: threads, rank, shape, count, op.
+constexpr int64_t kLowrankShapes[][2] = {{4096, 4096}, {1024, 25088}, {2048, 512}};
+void BM_Lowrank(benchmark::State& state) {
+  const int threads = int(state.range(0));
+  const int64_t rank = state.range(1), rows = kLowrankShapes[state.range(2)][0], cols = kLowrankShapes[state.range(2)][1];
+  const int64_t count = state.range(3);
+  const bool back = state.range(4) != 0;
+  gradcomp::set_num_threads(threads);
+  state.SetLabel(std::string(back ? "back_project " : "project ") + std::to_string(count) + " x " +
+                 std::to_string(rows) + "x" + std::to_string(cols) + " rank " + std::to_string(rank));
+  const int64_t n = count * rows * cols, nq = count * cols * rank, np = count * rows * rank;
+  Buf m = alloc(n * 4), q = alloc(nq * 4), p = alloc(np * 4);
+  const auto fill = [](uint8_t* dst, int64_t elems) {
+    for (int64_t e = 0; e < elems; e += kN)
+      std::memcpy(dst + e * 4, input().data(), size_t(std::min(kN, elems - e)) * 4);
+  };
+  fill(m.get(), n);
+  fill(back ? p.get() : q.get(), back ? np : nq);
+  std::vector<int64_t> offsets(static_cast<size_t>(count));
+  for (int64_t b = 0; b < count; ++b) offsets[size_t(b)] = b * rows * cols;
+  const gradcomp::lowrank::MatrixBatch mb{{m.get(), gradcomp::DType::float32, n, {}}, offsets.data(), count, rows, cols};
+  const gradcomp::Tensor qt{q.get(), gradcomp::DType::float32, nq, {}}, pt{p.get(), gradcomp::DType::float32, np, {}};
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    if (back) gradcomp::lowrank::back_project(mb, pt, qt, rank);
+    else gradcomp::lowrank::project(mb, qt, pt, rank);
+    benchmark::ClobberMemory();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    total += s;
+    state.SetIterationTime(s);
+  }
+  report(state, threads, double(n + nq + np) * 4.0, total);
+}
+void lowrank_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"threads", "rank", "shape", "count", "back"});
+  for (int op : {0, 1})
+    for (int shape = 0; shape < 3; ++shape)
+      for (int count : {1, 8})
+        for (int rank : {1, 2, 4, 8, 16, 32})
+          for (int t : {1, 2}) b->Args({t, rank, shape, count, op});
+  b->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+
 void thread_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"threads", "residual", "bf16"});
   for (int t : {1, 2})
@@ -234,5 +285,6 @@ BENCHMARK(BM_Cast_fp16)->Apply(thread_args);
 BENCHMARK(BM_Cast_bf16)->Apply(thread_args);
 BENCHMARK(BM_Quant_Encode)->Apply(quant_encode_args);
 BENCHMARK(BM_Quant_Decode)->Apply(quant_decode_args);
+BENCHMARK(BM_Lowrank)->Apply(lowrank_args);
 
 BENCHMARK_MAIN();

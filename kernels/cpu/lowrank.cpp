@@ -3,14 +3,41 @@
 // NeurIPS 2019, algorithm 1): the cpu_* entry points of kernels/core/lowrank_backend.hpp, which
 // receive validated arguments.
 //
-// kernels/cpu/*.cpp are compiled once per CPU variant (kernels/cpu/isa.hpp). Only reconstruct's
-// inner loop (compute-bound at rank > 1: r products and sums per element, and the float16 /
-// bfloat16 rounding) is compiled in every variant (lowrank_reconstruct_units, in namespace
-// cpu::<variant>); everything else is defined once, in the dispatching compilation
-// (GRADCOMP_CPU_EMIT_TABLES: the generic variant, or the single one of a GRADCOMP_NATIVE=ON build),
-// which also picks the variant's loop (cpu_isa()). The GEMMs are OpenBLAS's (which picks its own
-// kernels per CPU); orthogonalize and random_normal are cheap next to them. Every variant computes
-// the same fixed float32 expression, so reconstruct's bits do not depend on the variant.
+// kernels/cpu/*.cpp are compiled once per CPU variant (kernels/cpu/isa.hpp). The loops that touch
+// every element of M are compiled in every variant (namespace cpu::<variant>):
+// lowrank_reconstruct_units (reconstruct's inner loop: r products and sums per element, and the
+// float16 / bfloat16 rounding), lowrank_project_rows and lowrank_back_project_cols (project /
+// back_project at ranks kSmallRankMin..kSmallRankMax = 2..16). Everything else is defined once, in
+// the dispatching compilation (GRADCOMP_CPU_EMIT_TABLES: the generic variant, or the single one of
+// a GRADCOMP_NATIVE=ON build), which also picks the variant's loops (cpu_isa()). Rank 1 calls
+// OpenBLAS's sgemv, ranks above 16 its sgemm (OpenBLAS picks its own kernels per CPU);
+// orthogonalize and random_normal are cheap next to them. Every variant computes the same fixed
+// float32 expressions, so neither reconstruct's bits nor those of project / back_project at ranks
+// 2..16 depend on the variant (or on the thread count).
+//
+// project / back_project at ranks 2..16 read M once (OpenBLAS's sgemm packs M first, a copy: at
+// rank 4 on a 4096 x 4096 matrix, one thread of this 2-core Zen 4 VM, sgemm took 10-11 ms, sgemv
+// at rank 1 about 3.5 ms and a memcpy of the same 64 MiB 7 ms; these loops 3 ms at rank 2, 4 ms at
+// rank 4, 6-7 ms at rank 8, 9 ms at rank 16, compute-bound there). No FMA: binary32 products and
+// sums, never contracted (-ffp-contract=off), in a fixed order per output element:
+//  - project, P[i][k] = sum_j M[i][j] Q[j][k]: 16 partial sums per (i, k), lane l summing
+//    j = l, l + 16, ... ascending from +0 (fl(s + fl(M[i][j] Q[j][k]))), then added in a fixed
+//    tree (lanes 8 apart, then 4, 2, 1). Q_b is first transposed into a thread's scratch by groups
+//    of 16 columns ([cols / 16][rank][16]), then passes take R rows of M by K ranks at a time (the
+//    R * K partial-sum vectors in registers: 8 x 2 up to rank 8 and 4 x 4 above with AVX-512, 4 x
+//    1 with AVX2 and in generic), over chunks of 8192 / rank columns; the cols % 16 last columns
+//    go to lanes 0.. of the same sums in scalar code.
+//  - back_project, Q[j][k] = sum_i M[i][j] P[i][k]: sequential in i ascending from +0. Threads
+//    own slices of whole 16-column groups of every row (no reduction between threads). A slice's
+//    Qt [rank][block of 65536 / rank columns] (a thread's scratch, L2) takes 8 rows of M at a time
+//    held in registers, each row's product added in turn, then is written to Q transposed.
+// Measured against OpenBLAS (one thread; bench/bench_cpu.cpp BM_Lowrank; 4096 x 4096, 1024 x
+// 25088, 2048 x 512, batches of 1 and 8): 1.5-4x faster at ranks 2..8 on every shape, and at rank
+// 16 back_project 1.4-1.8x; rank 16 project is 1.3-1.7x faster at 4096 x 4096, even at 1024 x
+// 25088, about 10% slower on one 2048 x 512 matrix (4 MiB, cache-resident: compute-bound, where
+// sgemm's FMA kernel wins). Above 16 project is compute-bound and loses to sgemm (ranks 24, 32),
+// hence the bound. Rank 1 stays on sgemv (these loops: the same at 4096 x 4096, faster at 1024 x
+// 25088, slower at 2048 x 512).
 //
 // Threads. Every step runs on gradcomp's thread count (cpu_threads_for: 1 below 64 Ki elements,
 // else get_num_threads(), or 1 while a core is found contended), in OpenMP regions of this file;
@@ -18,18 +45,22 @@
 // OpenBLAS) and called from the team's threads, each on its own slice, so that OpenBLAS's threads
 // never compete with the team's (four processes on two cores in the benchmarks).
 //  - project, P_b = M_b Q_b: the work units are (matrix, slice of its rows); back_project,
-//    Q_b = M_b^T P_b: (matrix, slice of its columns). One unit per matrix when count >= threads.
-//    Rank 1 calls sgemv (OpenBLAS's sgemm packs its operands: 2-3x slower for one column). The
-//    order of the sums is OpenBLAS's (the header promises nothing more).
+//    Q_b = M_b^T P_b: (matrix, slice of its columns: of whole 16-column groups at ranks 2..16).
+//    One unit per matrix when count >= threads. Each unit's scratch (project: Qt and the partial
+//    sums; back_project: a block of Qt) is a thread_local buffer of the thread that runs it, kept
+//    between calls. At ranks 1 and > 16 the order of the sums is OpenBLAS's (the header promises
+//    nothing more).
 //  - orthogonalize: one matrix per thread (a matrix's arithmetic is sequential, so its bits do not
 //    depend on the thread count).
 //  - reconstruct: units of (matrix, row, block of 4096 columns); Q is first transposed into a
 //    [count, rank, cols] scratch (rank > 1; a thread_local buffer of the calling thread, kept
 //    between calls) so the inner loops run over contiguous columns.
 //  - random_normal: contiguous slices of the elements.
-// Sizes: a dimension above 2^31 - 1 (OpenBLAS's int) raises Unsupported in project/back_project.
+// Sizes: a dimension above 2^31 - 1 (OpenBLAS's int) raises Unsupported in project/back_project
+// (at every rank, so that the limit does not depend on the rank).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "gradcomp/types.hpp"
 #include "isa.hpp"
@@ -47,6 +78,33 @@ struct ReconstructJob {
   float* residual;        //!< or null
 };
 inline constexpr int64_t kColBlock = 4096;  //!< columns per reconstruct unit
+
+//! One project / back_project call of the small-rank kernels as the variants see it (the same
+//! definition in every variant).
+struct GemmJob {
+  const float* base;       //!< M_b: row-major [rows, cols] at base + offsets[b]
+  const int64_t* offsets;
+  const float* in;         //!< project: Q [count, cols, rank]; back_project: P [count, rows, rank]
+  float* out;              //!< project: P [count, rows, rank]; back_project: Q [count, cols, rank]
+  int64_t rows, cols, rank;
+};
+//! The ranks the small-rank kernels serve: rank 1 stays on sgemv, above kSmallRankMax sgemm.
+inline constexpr int64_t kSmallRankMin = 2, kSmallRankMax = 16;
+inline constexpr int64_t kLanes = 16;       //!< project: partial sums per dot product
+inline constexpr int64_t kProjectRows = 8;  //!< project: the most rows one pass over M serves
+//! project: columns per chunk of Qt (rank * chunk floats = 32 KiB).
+inline int64_t project_chunk(int64_t rank) { return std::max<int64_t>(kLanes, 8192 / rank / kLanes * kLanes); }
+//! back_project: columns per block of Qt (rank * block floats = 256 KiB, L2).
+inline int64_t back_project_block(int64_t rank) { return std::max<int64_t>(kLanes, 65536 / rank / kLanes * kLanes); }
+//! Scratch floats of a project unit (Qt of the matrix's first cols / 16 * 16 columns, then the
+//! partial sums of kProjectRows rows) and of a back_project unit over `width` columns (one block
+//! of Qt, its rows padded by one line).
+inline int64_t project_scratch(int64_t cols, int64_t rank) {
+  return cols / kLanes * kLanes * rank + kProjectRows * rank * kLanes;
+}
+inline int64_t back_project_scratch(int64_t width, int64_t rank) {
+  return rank * ((std::min(width, back_project_block(rank)) + kLanes - 1) / kLanes * kLanes + kLanes);
+}
 } // namespace gradcomp::lowrank::detail
 
 namespace GRADCOMP_CPU_NAMESPACE {
@@ -104,7 +162,194 @@ template <class Tag> uint32_t units(const lowrank::detail::ReconstructJob& j, in
   return flag;
 }
 
+// ---- project / back_project at ranks kSmallRankMin..kSmallRankMax ------------------------------
+// VN: the variant's native vector of float32 (GCC / Clang vector extension): a zmm register
+// (avx512, 16 lanes), a ymm (avx2, 8) or an xmm (generic, 4: SSE2 or NEON). Its operations are
+// lane-wise binary32 multiplies and adds, never contracted (-ffp-contract=off). project's 16
+// partial sums per dot product are kParts VNs, lane l of the 16 always summing columns j = l mod 16,
+// so every variant computes the same bits; only the register blocking (rows and ranks per pass)
+// differs, which changes no sum.
+#if defined(__AVX512F__)
+typedef float VN __attribute__((vector_size(64)));
+#elif defined(__AVX2__)
+typedef float VN __attribute__((vector_size(32)));
+#else
+typedef float VN __attribute__((vector_size(16)));
+#endif
+//! The same at any float's address (unaligned, aliasing float: as __m512_u).
+typedef float VNu __attribute__((vector_size(sizeof(VN)), aligned(4), may_alias));
+constexpr int kN = int(sizeof(VN) / sizeof(float));
+constexpr int kParts = int(lowrank::detail::kLanes) / kN;
+#define GRADCOMP_LOADN(p) (*reinterpret_cast<const VNu*>(p))
+#define GRADCOMP_STOREN(p, v) (*reinterpret_cast<VNu*>(p) = (v))
+
+//! project's register blocking: R rows of M by K ranks of Qt per pass (R * K * kParts
+//! accumulators, R + 1 more VNs), kLow up to rank kSplitRank, kHigh above. Measured (Zen 4, 4096 x
+//! 4096 and 1024 x 25088): more rows keep more streams of M in flight and share each Qt load, which
+//! matters most at low rank; more ranks per pass read the rows' chunk fewer times.
+struct Blocking {
+  int R, K;
+};
+constexpr int64_t kSplitRank = 8;
+#if defined(__AVX512F__)
+constexpr Blocking kLow{8, 2}, kHigh{4, 4};  // 16 accumulators + 8 rows (+ 1) of 32 zmm
+#elif defined(__AVX2__)
+constexpr Blocking kLow{4, 1}, kHigh{4, 1};  // 8 accumulators + 4 rows (+ 1) of 16 ymm
+#else
+constexpr Blocking kLow{4, 1}, kHigh{4, 1};  // 16 accumulators of 16 xmm (some rows reloaded)
+#endif
+constexpr int kAxpyRows = 8;  // back_project: 8 rows of M in registers (VNs), then one accumulator
+static_assert(kLow.R <= lowrank::detail::kProjectRows && kHigh.R <= lowrank::detail::kProjectRows);
+
+//! acc_r[k] (16 lanes at acc + (r * lda + k) * 16) += M_r[j] * Qt[k][j] lane by lane (lane j mod
+//! 16) for j in [0, n) (n a multiple of 16), r < R (M_r = m + r * ldm), k < K; Qt[k][j] at
+//! qt + (j / 16 * ld + k) * 16 + j % 16 (the 16-column groups of Qt, each [rank][16]).
+template <int R, int K>
+void dot_rows(const float* __restrict m, int64_t ldm, const float* __restrict qt, int64_t ld, int64_t n,
+              float* __restrict acc, int64_t lda) {
+  VN a[R][K][kParts];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k)
+      for (int h = 0; h < kParts; ++h) a[r][k][h] = GRADCOMP_LOADN(acc + (r * lda + k) * 16 + h * kN);
+  for (int64_t j = 0; j < n; j += 16, qt += ld * 16)
+    for (int h = 0; h < kParts; ++h) {
+      VN x[R];
+      for (int r = 0; r < R; ++r) x[r] = GRADCOMP_LOADN(m + r * ldm + j + h * kN);
+      for (int k = 0; k < K; ++k) {
+        const VN q = GRADCOMP_LOADN(qt + k * 16 + h * kN);
+        for (int r = 0; r < R; ++r) a[r][k][h] += x[r] * q;
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k)
+      for (int h = 0; h < kParts; ++h) GRADCOMP_STOREN(acc + (r * lda + k) * 16 + h * kN, a[r][k][h]);
+}
+//! dot_rows<nr, g> for 1 <= nr <= R, 1 <= g <= K.
+template <int R, int K, int r = 1, int k = 1>
+void dot_block(int nr, int g, const float* m, int64_t ldm, const float* qt, int64_t ld, int64_t n, float* acc,
+               int64_t lda) {
+  if constexpr (r < R) {
+    if (nr != r) return dot_block<R, K, r + 1, k>(nr, g, m, ldm, qt, ld, n, acc, lda);
+  }
+  if constexpr (k < K) {
+    if (g != k) return dot_block<R, K, r, k + 1>(nr, g, m, ldm, qt, ld, n, acc, lda);
+  }
+  dot_rows<r, k>(m, ldm, qt, ld, n, acc, lda);
+}
+
+//! The 16 lanes of a[0, 16) summed in a fixed order: lanes 8 apart, then 4, 2, 1.
+inline float lane_sum(const float* a) {
+  float t[16];
+  std::memcpy(t, a, sizeof t);
+  for (int h = 8; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) t[l] = t[l] + t[l + h];
+  return t[0];
+}
+
+//! project's rows [r0, r1) of one matrix with blocking B (see lowrank_project_rows).
+template <Blocking B>
+void project_rows(const float* M, const float* Q, float* P, int64_t cols, int64_t rank, int64_t r0, int64_t r1,
+                  float* scratch) {
+  using lowrank::detail::kLanes;
+  const int64_t C = lowrank::detail::project_chunk(rank), n16 = cols / kLanes * kLanes;
+  // Qt by groups of 16 columns: Qt[k][j] (j < n16) at qt + (j / 16 * rank + k) * 16 + j % 16
+  float* qt = scratch;
+  float* acc = scratch + n16 * rank;  // [B.R][rank][16], 64-byte aligned
+  for (int64_t j = 0; j < n16; ++j)
+    for (int64_t k = 0; k < rank; ++k) qt[(j / kLanes * rank + k) * kLanes + j % kLanes] = Q[j * rank + k];
+  for (int64_t i0 = r0; i0 < r1; i0 += B.R) {
+    const int nb = int(std::min<int64_t>(B.R, r1 - i0));
+    std::fill(acc, acc + nb * rank * kLanes, 0.0f);
+    for (int64_t j0 = 0; j0 < n16; j0 += C) {
+      const int64_t w = std::min(C, n16 - j0);
+      for (int64_t kg = 0; kg < rank; kg += B.K)
+        dot_block<B.R, B.K>(nb, int(std::min<int64_t>(B.K, rank - kg)), M + i0 * cols + j0, cols,
+                            qt + (j0 * rank + kg * kLanes), rank, w, acc + kg * kLanes, rank);
+    }
+    for (int r = 0; r < nb; ++r) {
+      const float* row = M + (i0 + r) * cols;
+      float* a = acc + r * rank * kLanes;
+      for (int64_t j = n16; j < cols; ++j)  // the last cols % 16 columns: lanes 0.. of the same sums
+        for (int64_t k = 0; k < rank; ++k) a[k * kLanes + (j - n16)] += row[j] * Q[j * rank + k];
+      for (int64_t k = 0; k < rank; ++k) P[(i0 + r) * rank + k] = lane_sum(a + k * kLanes);
+    }
+  }
+}
+
+//! qt[k * ld + j] = qt[k * ld + j] + M_0[j] p_0[k] + M_1[j] p_1[k] + ... (left to right; rows
+//! r < R: M_r = m + r * ldm, p_r = p + r * rank) for j in [0, n), k < rank.
+template <int R>
+void axpy_rows(float* __restrict qt, int64_t ld, const float* __restrict m, int64_t ldm, const float* __restrict p,
+               int64_t rank, int64_t n) {
+  int64_t j = 0;
+  for (; j + kN <= n; j += kN) {
+    VN x[R];
+    for (int r = 0; r < R; ++r) x[r] = GRADCOMP_LOADN(m + r * ldm + j);
+    for (int64_t k = 0; k < rank; ++k) {
+      float* q = qt + k * ld + j;
+      VN a = GRADCOMP_LOADN(q);
+      for (int r = 0; r < R; ++r) a += x[r] * p[r * rank + k];
+      GRADCOMP_STOREN(q, a);
+    }
+  }
+  for (; j < n; ++j)
+    for (int64_t k = 0; k < rank; ++k) {
+      float a = qt[k * ld + j];
+      for (int r = 0; r < R; ++r) a = a + m[r * ldm + j] * p[r * rank + k];
+      qt[k * ld + j] = a;
+    }
+}
+template <int R = 1>
+void axpy_group(int nr, float* qt, int64_t ld, const float* m, int64_t ldm, const float* p, int64_t rank, int64_t n) {
+  if constexpr (R < kAxpyRows) {
+    if (nr != R) return axpy_group<R + 1>(nr, qt, ld, m, ldm, p, rank, n);
+  }
+  axpy_rows<R>(qt, ld, m, ldm, p, rank, n);
+}
+
 } // namespace
+
+//! project's rows [r0, r1) of matrix b: P[i][k] = sum_j M[i][j] Q[j][k] as 16 partial sums, lane
+//! l over j = l, l + 16, ... ascending (binary32, each partial fl(s + fl(M[i][j] Q[j][k])) from +0),
+//! then lane_sum. A row's result depends on nothing but the row and Q: not on r0, r1, the thread
+//! count or the variant. M is read once: Q is transposed into `scratch` (project_scratch floats,
+//! 64-byte aligned) by groups of 16 columns; each pass takes B.R rows of M (kLow up to rank
+//! kSplitRank, else kHigh) over a chunk of project_chunk columns for B.K ranks at a time.
+void lowrank_project_rows(const lowrank::detail::GemmJob& J, int64_t b, int64_t r0, int64_t r1, float* scratch) {
+  const float* M = J.base + J.offsets[b];
+  const float* Q = J.in + b * J.cols * J.rank;
+  float* P = J.out + b * J.rows * J.rank;
+  if (J.rank <= kSplitRank) project_rows<kLow>(M, Q, P, J.cols, J.rank, r0, r1, scratch);
+  else project_rows<kHigh>(M, Q, P, J.cols, J.rank, r0, r1, scratch);
+}
+
+//! back_project's columns [c0, c1) of matrix b: Q[j][k] = fl(...fl(fl(+0 + fl(M[0][j] P[0][k])) +
+//! fl(M[1][j] P[1][k])) ... + fl(M[rows-1][j] P[rows-1][k])) (rows ascending, binary32), whatever c0,
+//! c1, the thread count or the variant. Blocks of back_project_block columns: Qt [rank][block] in
+//! `scratch` (back_project_scratch floats) accumulates kAxpyRows rows of M at a time (held in
+//! registers), then is written to Q transposed.
+void lowrank_back_project_cols(const lowrank::detail::GemmJob& J, int64_t b, int64_t c0, int64_t c1,
+                               float* scratch) {
+  using lowrank::detail::kLanes;
+  const int64_t rows = J.rows, cols = J.cols, rank = J.rank;
+  const float* M = J.base + J.offsets[b];
+  const float* P = J.in + b * rows * rank;
+  float* Q = J.out + b * cols * rank;
+  const int64_t block = lowrank::detail::back_project_block(rank);
+  for (int64_t jb = c0; jb < c1; jb += block) {
+    const int64_t w = std::min(block, c1 - jb);
+    const int64_t ld = (w + kLanes - 1) / kLanes * kLanes + kLanes;  // + one line: Qt's rows apart in L1's sets
+    float* qt = scratch;
+    std::fill(qt, qt + rank * ld, 0.0f);
+    for (int64_t i0 = 0; i0 < rows; i0 += kAxpyRows)
+      axpy_group(int(std::min<int64_t>(kAxpyRows, rows - i0)), qt, ld, M + i0 * cols + jb, cols, P + i0 * rank, rank, w);
+    for (int64_t j = 0; j < w; ++j)
+      for (int64_t k = 0; k < rank; ++k) Q[(jb + j) * rank + k] = qt[k * ld + j];
+  }
+}
+
+#undef GRADCOMP_LOADN
+#undef GRADCOMP_STOREN
 
 //! Units [u0, u1) of a reconstruct job (unit = (matrix, row, block of kColBlock columns), in that
 //! order, the block fastest); returns 1 when a value written to out is non-finite.
@@ -128,6 +373,7 @@ uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob& j, int
 #include <climits>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -137,27 +383,42 @@ uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob& j, int
 
 namespace gradcomp::detail::cpu {
 #if !defined(GRADCOMP_CPU_SINGLE_VARIANT)
+#define GRADCOMP_LOWRANK_VARIANT_DECLS                                                            \
+  uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob&, int64_t, int64_t);   \
+  void lowrank_project_rows(const lowrank::detail::GemmJob&, int64_t, int64_t, int64_t, float*);  \
+  void lowrank_back_project_cols(const lowrank::detail::GemmJob&, int64_t, int64_t, int64_t, float*);
 namespace avx512 {
-uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob&, int64_t, int64_t);
+GRADCOMP_LOWRANK_VARIANT_DECLS
 }
 namespace avx2 {
-uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob&, int64_t, int64_t);
+GRADCOMP_LOWRANK_VARIANT_DECLS
 }
+#undef GRADCOMP_LOWRANK_VARIANT_DECLS
 #endif
 namespace {
 using ReconstructUnits = uint32_t (*)(const lowrank::detail::ReconstructJob&, int64_t, int64_t);
-//! The variant's loop that runs now (cpu_isa(): the best this processor supports, or the one asked for).
-ReconstructUnits reconstruct_units() {
+using GemmUnit = void (*)(const lowrank::detail::GemmJob&, int64_t, int64_t, int64_t, float*);
+//! The variant's loops that run now (cpu_isa(): the best this processor supports, or the one asked for).
+struct LowrankLoops {
+  ReconstructUnits reconstruct;
+  GemmUnit project, back_project;
+};
+LowrankLoops lowrank_loops() {
 #if defined(GRADCOMP_CPU_SINGLE_VARIANT)
-  return &GRADCOMP_CPU_ISA::lowrank_reconstruct_units;
+  namespace v = GRADCOMP_CPU_ISA;
+  return {&v::lowrank_reconstruct_units, &v::lowrank_project_rows, &v::lowrank_back_project_cols};
 #else
   switch (cpu_isa()) {
-    case CpuIsa::avx512: return &avx512::lowrank_reconstruct_units;
-    case CpuIsa::avx2: return &avx2::lowrank_reconstruct_units;
-    default: return &generic::lowrank_reconstruct_units;
+    case CpuIsa::avx512:
+      return {&avx512::lowrank_reconstruct_units, &avx512::lowrank_project_rows, &avx512::lowrank_back_project_cols};
+    case CpuIsa::avx2:
+      return {&avx2::lowrank_reconstruct_units, &avx2::lowrank_project_rows, &avx2::lowrank_back_project_cols};
+    default:
+      return {&generic::lowrank_reconstruct_units, &generic::lowrank_project_rows, &generic::lowrank_back_project_cols};
   }
 #endif
 }
+ReconstructUnits reconstruct_units() { return lowrank_loops().reconstruct; }
 } // namespace
 } // namespace gradcomp::detail::cpu
 
@@ -208,16 +469,43 @@ template <class Unit> void run_units(int64_t units, int T, Unit&& unit) {
   clock.report(T);
 }
 
+//! A thread's scratch of at least n floats, 64-byte aligned (kept between calls, grown as needed).
+float* thread_scratch(int64_t n) {
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local int64_t cap = 0;
+  if (cap < n) {
+    buf.reset();
+    buf.reset(new float[size_t(n + 16)]);
+    cap = n;
+  }
+  const uintptr_t a = reinterpret_cast<uintptr_t>(buf.get());
+  return buf.get() + ((64 - a % 64) % 64) / sizeof(float);
+}
+
+bool small_rank(int64_t rank) { return rank >= kSmallRankMin && rank <= kSmallRankMax; }
+
 } // namespace
 
 void cpu_project(const MatrixBatch& m, const Tensor& q, const Tensor& p, int64_t rank) {
   check_blas_dims(m, "lowrank::project");
-  blas_single_thread();
   const float* base = m.base.ptr<const float>();
   const float* Q = q.ptr<const float>();
   float* P = p.ptr<float>();
   const int T = cpu_threads_for(m.count * m.rows * m.cols);
   const int64_t S = slices_per_matrix(m.count, T, m.rows);
+  if (small_rank(rank)) {
+    const GemmJob job{base, m.offsets, Q, P, m.rows, m.cols, rank};
+    const auto unit = gradcomp::detail::cpu::lowrank_loops().project;
+    const int64_t need = project_scratch(m.cols, rank);
+    run_units(m.count * S, T, [&](int64_t u) {
+      const int64_t b = u / S, s = u % S;
+      int64_t r0 = 0, r1 = 0;
+      partition(m.rows, int(S), int(s), r0, r1);
+      if (r1 > r0) unit(job, b, r0, r1, thread_scratch(need));
+    });
+    return;
+  }
+  blas_single_thread();
   run_units(m.count * S, T, [&](int64_t u) {
     const int64_t b = u / S, s = u % S;
     int64_t r0 = 0, r1 = 0;
@@ -237,11 +525,28 @@ void cpu_project(const MatrixBatch& m, const Tensor& q, const Tensor& p, int64_t
 
 void cpu_back_project(const MatrixBatch& m, const Tensor& p, const Tensor& q, int64_t rank) {
   check_blas_dims(m, "lowrank::back_project");
-  blas_single_thread();
   const float* base = m.base.ptr<const float>();
   const float* P = p.ptr<const float>();
   float* Q = q.ptr<float>();
   const int T = cpu_threads_for(m.count * m.rows * m.cols);
+  if (small_rank(rank)) {
+    // slices of whole 16-column groups (a slice's bits do not depend on its bounds; aligned
+    // groups only keep the vector loop full)
+    const int64_t groups = (m.cols + kLanes - 1) / kLanes;
+    const int64_t S = slices_per_matrix(m.count, T, groups);
+    const GemmJob job{base, m.offsets, P, Q, m.rows, m.cols, rank};
+    const auto unit = gradcomp::detail::cpu::lowrank_loops().back_project;
+    const int64_t need = back_project_scratch((groups + S - 1) / S * kLanes, rank);
+    run_units(m.count * S, T, [&](int64_t u) {
+      const int64_t b = u / S, s = u % S;
+      int64_t g0 = 0, g1 = 0;
+      partition(groups, int(S), int(s), g0, g1);
+      const int64_t c0 = g0 * kLanes, c1 = std::min(m.cols, g1 * kLanes);
+      if (c1 > c0) unit(job, b, c0, c1, thread_scratch(need));
+    });
+    return;
+  }
+  blas_single_thread();
   const int64_t S = slices_per_matrix(m.count, T, m.cols);
   run_units(m.count * S, T, [&](int64_t u) {
     const int64_t b = u / S, s = u % S;

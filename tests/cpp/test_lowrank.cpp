@@ -2,7 +2,12 @@
 // Low rank (PowerSGD steps, include/gradcomp/lowrank.hpp; Vogels et al., NeurIPS 2019, algorithm 1)
 // on the CPU against references written here, independently of kernels/cpu/lowrank.cpp:
 //  - project / back_project vs plain binary64 loops; tolerance |ref - got| <= 1e-5 * |row of M| *
-//    |column of Q| (project) and 1e-5 * |column of M| * |column of P| (back_project) + 1e-30;
+//    |column of Q| (project) and 1e-5 * |column of M| * |column of P| (back_project) + 1e-30, on
+//    every CPU variant, at ranks 1 (sgemv), 2..16 (gradcomp's kernels: ranks on both sides of
+//    their blockings, columns not a multiple of 16, several column chunks / blocks) and 17, 20
+//    (sgemm); NaN in M reaches exactly its row of P / column of Q; ranks 2..16 give the same bits
+//    at 1, 2 and 3 threads and on every CPU variant (kernels/cpu/lowrank.cpp's fixed order per
+//    element: the header promises only a GEMM's tolerance);
 //  - orthogonalize: |Q^T Q - I| < 1e-5 and the Gram-Schmidt triangular span (column k of X in the
 //    span of output columns 0..k, residual < 1e-5 |x_k|, positive diagonal) for well-conditioned
 //    input; vs a binary64 Gram-Schmidt within 1e-5; zero columns (exact, and exactly cancelled by
@@ -120,12 +125,23 @@ struct Shape {
 const Shape kShapes[] = {{1, 1, 1, 1},   {1, 1, 37, 1},  {1, 41, 1, 1},   {5, 1, 64, 1},  {5, 64, 1, 1},
                          {1, 13, 9, 9},  {5, 9, 13, 9},  {5, 33, 17, 4},  {1, 300, 200, 4}, {5, 40, 70, 2},
                          {3, 1000, 130, 8}, {2, 4, 4, 4}};
+//! project / back_project: kShapes and the small-rank kernels' edges (ranks 2..16, 2 x n and n x 2,
+//! cols % 16 != 0, more rows than a register block, several chunks of Qt: 8192 / rank columns in
+//! project, 65536 / rank in back_project), and OpenBLAS's sgemm above rank 16.
+const Shape kGemmShapes[] = {
+    {3, 2, 45, 2},   {3, 45, 2, 2},    {2, 19, 50, 3},  {2, 50, 19, 5},   {3, 17, 31, 7},  {1, 16, 16, 16},
+    {4, 23, 48, 12}, {2, 37, 129, 16}, {1, 9, 5000, 2}, {1, 17, 700, 16}, {1, 19, 4200, 16}, {2, 3, 70, 3},
+    {1, 33, 20, 17}, {2, 24, 40, 20},  {1, 70, 300, 6}, {2, 12, 257, 4}};
 
 // ---- project / back_project ---------------------------------------------------------------------
-TEST(Lowrank, ProjectAndBackProjectMatchBinary64Loops) {
-  SCOPED_TRACE(seed_trace());
-  std::mt19937_64 g(ref::test_seed());
-  for (const Shape& s : kShapes) {
+struct IsaScope {
+  std::string old = gradcomp::cpu_isa();
+  ~IsaScope() { gradcomp::set_cpu_isa(old); }
+};
+
+//! Checks project and back_project of one shape against binary64 loops (the current CPU variant).
+void check_gemms(const Shape& s, std::mt19937_64& g) {
+  {
     SCOPED_TRACE(::testing::Message() << "count " << s.count << " shape [" << s.rows << ", " << s.cols << "] rank "
                                       << s.rank);
     Batch m = make_batch(s.count, s.rows, s.cols, g);
@@ -168,6 +184,19 @@ TEST(Lowrank, ProjectAndBackProjectMatchBinary64Loops) {
         }
       }
     EXPECT_EQ(m.base, base0) << "M must not be written";
+  }
+}
+
+TEST(Lowrank, ProjectAndBackProjectMatchBinary64Loops) {
+  SCOPED_TRACE(seed_trace());
+  std::mt19937_64 g(ref::test_seed());
+  IsaScope keep;
+  for (const std::string& isa : gradcomp::cpu_isas_supported()) {  // every CPU variant of the kernels
+    SCOPED_TRACE("cpu isa " + isa);
+    gradcomp::set_cpu_isa(isa);
+    for (const Shape& s : kShapes) check_gemms(s, g);
+    for (const Shape& s : kGemmShapes) check_gemms(s, g);
+    if (::testing::Test::HasFailure()) return;
   }
 }
 
@@ -215,7 +244,44 @@ TEST(Lowrank, ProjectOnManyThreadsMatchesReference) {
   }
 }
 
-TEST(Lowrank, ProjectPropagatesNaN) {
+TEST(Lowrank, SmallRankBitsDoNotDependOnThreadsOrVariant) {
+  // Ranks 2..16 (gradcomp's kernels): a fixed order per element, so 1, 2 and 3 threads and every
+  // CPU variant write the same bits. Sizes >= 64 Ki elements (a team): count 1 splits rows
+  // (project) and columns (back_project) over the threads, count 3 splits matrices.
+  SCOPED_TRACE(seed_trace());
+  std::mt19937_64 g(ref::test_seed() + 3);
+  IsaScope keep;
+  const Shape shapes[] = {{1, 300, 517, 2}, {1, 263, 301, 5}, {1, 130, 1001, 16}, {3, 130, 260, 4},
+                          {3, 97, 250, 9}, {1, 2, 40000, 2}, {1, 40000, 2, 2}};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(::testing::Message() << "count " << s.count << " shape [" << s.rows << ", " << s.cols << "] rank "
+                                      << s.rank);
+    Batch m = make_batch(s.count, s.rows, s.cols, g);
+    const std::vector<float> q = randn(s.count * s.cols * s.rank, g), p = randn(s.count * s.rows * s.rank, g);
+    std::vector<float> p0, q0;
+    for (const std::string& isa : gradcomp::cpu_isas_supported())
+      for (int threads : {1, 2, 3}) {
+        SCOPED_TRACE(::testing::Message() << "cpu isa " << isa << " threads " << threads);
+        gradcomp::set_cpu_isa(isa);
+        ref::Threads th(threads);
+        std::vector<float> qin = q, pin = p;
+        std::vector<float> pout(p.size(), std::numeric_limits<float>::quiet_NaN());
+        std::vector<float> qout(q.size(), std::numeric_limits<float>::quiet_NaN());
+        lr::project(m.view(), f32(qin), f32(pout), s.rank);
+        lr::back_project(m.view(), f32(pin), f32(qout), s.rank);
+        if (p0.empty()) {
+          p0 = pout, q0 = qout;
+          for (float v : p0) ASSERT_TRUE(std::isfinite(v));
+          for (float v : q0) ASSERT_TRUE(std::isfinite(v));
+          continue;
+        }
+        ASSERT_EQ(0, std::memcmp(pout.data(), p0.data(), p0.size() * 4)) << "project bits";
+        ASSERT_EQ(0, std::memcmp(qout.data(), q0.data(), q0.size() * 4)) << "back_project bits";
+      }
+  }
+}
+
+TEST(Lowrank, ProjectAndBackProjectPropagateNaN) {
   std::mt19937_64 g(ref::test_seed() + 2);
   Batch m = make_batch(2, 5, 6, g);
   m.base[size_t(m.offsets[1] + 2 * 6 + 3)] = std::numeric_limits<float>::quiet_NaN();
@@ -225,6 +291,14 @@ TEST(Lowrank, ProjectPropagatesNaN) {
     for (int64_t k = 0; k < 2; ++k) {
       EXPECT_TRUE(std::isfinite(p[size_t((0 * 5 + i) * 2 + k)]));
       EXPECT_EQ(std::isnan(p[size_t((1 * 5 + i) * 2 + k)]), i == 2) << "row " << i;
+    }
+  // back_project: the NaN at M_1[2][3] makes column 3 of Q_1 NaN, nothing else
+  std::vector<float> p2 = randn(2 * 5 * 2, g), q2(2 * 6 * 2);
+  lr::back_project(m.view(), f32(p2), f32(q2), 2);
+  for (int64_t j = 0; j < 6; ++j)
+    for (int64_t k = 0; k < 2; ++k) {
+      EXPECT_TRUE(std::isfinite(q2[size_t((0 * 6 + j) * 2 + k)]));
+      EXPECT_EQ(std::isnan(q2[size_t((1 * 6 + j) * 2 + k)]), j == 3) << "column " << j;
     }
 }
 
@@ -479,11 +553,6 @@ bool check_reconstruct(const Shape& s, DType dt, bool with_residual, std::mt1993
   EXPECT_EQ(status, nonfinite ? 0x5u : 0x4u) << "status";
   return nonfinite;
 }
-
-struct IsaScope {
-  std::string old = gradcomp::cpu_isa();
-  ~IsaScope() { gradcomp::set_cpu_isa(old); }
-};
 
 TEST(Lowrank, ReconstructIsTheFixedExpression) {
   SCOPED_TRACE(seed_trace());

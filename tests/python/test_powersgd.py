@@ -82,6 +82,8 @@ def job_vs_pytorch(rank, world, r, batch, start, shapes, q_init="torch"):
             worst = max(worst, err)
             assert err <= TOL, (s, x.shape, err)
     assert st.iter == pst.iter == 5
+    # PyTorch's element counts of the compressed steps (its compression_stats), exactly
+    assert st.compression_stats()[1:] == (pst.total_numel_before_compression, pst.total_numel_after_compression)
     return worst
 
 

@@ -401,8 +401,6 @@ class _LowRank:
         b = {key[0]: key[1], "numel": flat.numel(), "dtype": str(tensor.dtype).replace("torch.", ""), "scheme": "dense"}
         b.update(planner.bucket_bytes("dense", None, flat.numel(), tensor.dtype, self.world_size))
         self._stats.account(rec, b)
-        self.numel_before += flat.numel()
-        self.numel_after += flat.numel()
         if entries is not None and self.error_feedback and not self.store.empty():
             ent = entries() if callable(entries) else entries
             lay = self.store.layout((key, "warmup"), flat.numel(), tensor.dtype, tensor.device,
@@ -628,7 +626,8 @@ class PowerSGDState:
 
     def compression_stats(self) -> Tuple[float, int, int]:
         """PyTorch's: ``(compress_rate, numel_before_compression, numel_after_compression)``
-        summed over all buckets and steps (elements; the rate is before / after)."""
+        summed over all buckets of the compressed steps (elements, dense warm-up steps not
+        counted, as PyTorch's; the rate is before / after, 0.0 before the first)."""
         before, after = self._engine.numel_before, self._engine.numel_after
         return (before / after if after else 0.0), before, after
 

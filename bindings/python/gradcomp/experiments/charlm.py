@@ -298,27 +298,13 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         checksum = int(flat.view(torch.int32).to(torch.int64).sum())
     dist.all_reduce(ev)
     eval_s = time.perf_counter() - t_eval
-    st = state.stats()
-    tot = st["total"]
-    n_steps = max(st["steps"], 1)
+    from .runner import hook_totals
+
     return {
         "val_bpc": float(ev[0] / ev[1]) / ln2,
         "train_loss": losses,
         "final_loss": losses[-1] if losses else float("nan"),
-        "steps": st["steps"],
-        "scheme": "+".join(sorted({b["scheme"] for b in st["buckets"]})),
-        "packet_ratio": tot["packet_ratio"],
-        "wire_ratio": tot["wire_ratio"],
-        "bits_per_element": tot["bits_per_element"],
-        "packet_bytes_per_step": tot["packet_bytes"] / n_steps,
-        "dense_bytes_per_step": tot["dense_bytes"] / n_steps,
-        "sent_bytes_per_step": tot["sent_bytes"] / n_steps,
-        "numel": int(tot["numel"] / n_steps),
-        "buckets": len(st["buckets"]),
-        "nonfinite_steps": st["nonfinite_steps"],
-        "encode_s": tot["encode_s"],
-        "decode_s": tot["decode_s"],
-        "comm_s": tot["comm_s"],
+        **hook_totals(state.stats()),
         "train_s": compute_s,
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - t_start,

@@ -148,31 +148,31 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         st = state.stats()
     else:
         st = optimizer_stats(kind, opt, model, world, total_steps)
-    tot = st["total"]
     return {
         "test_accuracy": acc,
         "train_loss": losses,
         "final_loss": losses[-1] if losses else float("nan"),
-        "steps": st["steps"],
-        # the schemes auto chose for the buckets of the last step ("two_phase", "gather", ...)
-        "scheme": "+".join(sorted({b["scheme"] for b in st["buckets"]})),
-        "packet_ratio": tot["packet_ratio"],
-        "wire_ratio": tot["wire_ratio"],
-        "bits_per_element": tot["bits_per_element"],
-        "packet_bytes_per_step": tot["packet_bytes"] / max(st["steps"], 1),
-        "dense_bytes_per_step": tot["dense_bytes"] / max(st["steps"], 1),
-        "sent_bytes_per_step": tot["sent_bytes"] / max(st["steps"], 1),
-        "numel": int(tot["numel"] / max(st["steps"], 1)),
-        "buckets": len(st["buckets"]),
-        "nonfinite_steps": st["nonfinite_steps"],
-        "encode_s": tot["encode_s"],
-        "decode_s": tot["decode_s"],
-        "comm_s": tot["comm_s"],
+        **hook_totals(st),
         # the training loop: forward + backward (hook and waits included) + optimizer step
         "train_s": compute_s,
         "wall_s": time.perf_counter() - t_start,
         "param_checksum": checksum,
     }
+
+
+def hook_totals(st: dict) -> dict:
+    """The fields every run reports from a hook's ``stats()`` (both tasks): steps, the schemes of
+    the last step's buckets ("two_phase", "gather", ...), the three ratios, bytes per step,
+    elements per step, buckets, non-finite steps and the hook's seconds."""
+    tot = st["total"]
+    n = max(st["steps"], 1)
+    return {"steps": st["steps"], "scheme": "+".join(sorted({b["scheme"] for b in st["buckets"]})),
+            "packet_ratio": tot["packet_ratio"], "wire_ratio": tot["wire_ratio"],
+            "bits_per_element": tot["bits_per_element"], "packet_bytes_per_step": tot["packet_bytes"] / n,
+            "dense_bytes_per_step": tot["dense_bytes"] / n, "sent_bytes_per_step": tot["sent_bytes"] / n,
+            "numel": int(tot["numel"] / n), "buckets": len(st["buckets"]),
+            "nonfinite_steps": st["nonfinite_steps"], "encode_s": tot["encode_s"],
+            "decode_s": tot["decode_s"], "comm_s": tot["comm_s"]}
 
 
 def optimizer_stats(kind: str, opt, model, world: int, steps: int) -> dict:

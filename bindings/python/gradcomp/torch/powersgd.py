@@ -90,7 +90,7 @@ class _Plan:
                  entries: Sequence[Tuple[str, int, Tuple[int, ...]]], opts: dict):
         self.key = key
         self.numel, self.dtype, self.device = int(numel), dtype, device
-        self.signature = (self.numel, dtype, str(device), tuple((n, int(o), tuple(s)) for n, o, s in entries))
+        self.signature = _signature(numel, dtype, device, entries)
         groups: Dict[Tuple[int, int], _Group] = {}
         dense_ranges: List[Tuple[int, int]] = []
         self.compressed: List[Tuple[str, int, int]] = []  # (name, offset, numel) for the residual layout
@@ -146,6 +146,11 @@ class _Plan:
         if self.scratch is None:
             self.scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         return self.scratch
+
+
+def _signature(numel, dtype, device, entries) -> tuple:
+    """A bucket layout's identity: (numel, dtype, device, ((name, offset, shape), ...))."""
+    return (int(numel), dtype, str(device), tuple((n, int(o), tuple(s)) for n, o, s in entries))
 
 
 def _parse_spec(spec: str) -> Dict[str, Any]:
@@ -214,9 +219,8 @@ class _LowRank:
         """The plan of ``key`` for these entries; a new one when the layout changed (a DDP
         rebuild): residuals move by name (ResidualStore.activate), so do the Qs."""
         ent = entries() if callable(entries) else entries
-        sig = (flat.numel(), flat.dtype, str(flat.device), tuple((n, int(o), tuple(sh)) for n, o, sh in ent))
         old = self._plans.get(key)
-        if old is not None and old.signature == sig:
+        if old is not None and old.signature == _signature(flat.numel(), flat.dtype, flat.device, ent):
             return old
         plan = _Plan(key, flat.numel(), flat.dtype, flat.device, ent, self.opts)
         if old is not None:
@@ -556,7 +560,6 @@ class PowerSGDState:
         self.process_group = process_group
         self._names: Dict[int, str] = {}
         self._joined = False
-        self._bound = ddp_model is not None
         if ddp_model is not None:
             self.bind(ddp_model, process_group)
 
@@ -602,7 +605,6 @@ class PowerSGDState:
         self._engine.set_group(group)
         self._engine._stats.world_size = self._engine.world_size
         hook_joins(self, ddp_model)
-        self._bound = True
         return self
 
     def _name(self, p) -> str:
@@ -723,8 +725,7 @@ class PowerSGDState:
         return {"version": PICKLE_VERSION, "start_powerSGD_iter": self.start_powerSGD_iter,
                 "compression_stats_logging_frequency": self.compression_stats_logging_frequency,
                 "batch": self._engine.batch_same_shape, "nonfinite": self.nonfinite,
-                "log_every": self._engine._stats.log_every, "sd": self.state_dict(),
-                "names": {}}
+                "log_every": self._engine._stats.log_every, "sd": self.state_dict()}
 
     def __setstate__(self, d: dict) -> None:
         if not isinstance(d, dict) or d.get("version") != PICKLE_VERSION:
@@ -736,7 +737,6 @@ class PowerSGDState:
                       d["compression_stats_logging_frequency"], d["batch"], nonfinite=d["nonfinite"],
                       q_init=o["q_init"], min_compress_numel=o["min_compress_numel"], log_every=d["log_every"])
         self.load_state_dict(d["sd"], strict=False)
-        self._bound = False
 
     # -- the hook ------------------------------------------------------------------------------
     def _entries(self, bucket):

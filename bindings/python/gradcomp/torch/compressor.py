@@ -69,6 +69,22 @@ def check_options(*, scheme: str, nonfinite: str, ints: Sequence[Tuple[str, Any]
         raise ValueError(f"on_corrupt={on_corrupt!r}; accepted: {', '.join(CORRUPT_MODES)}")
 
 
+def check_allreduce_args(tensor, name) -> None:
+    """The argument checks of every ``allreduce(tensor, name)`` (Compressor, PowerSGDCompressor).
+
+    Raises:
+        TypeError: ``name`` not a str, ``tensor`` not a torch.Tensor.
+        ValueError: a non-contiguous or non-strided (sparse) tensor.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"allreduce: name={name!r}; accepted: a str")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allreduce: expected a torch.Tensor for {name!r}, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or not tensor.is_contiguous():
+        raise ValueError(f"allreduce: tensor {name!r} (layout {tensor.layout}, shape {tuple(tensor.shape)}) "
+                         f"is not a contiguous strided tensor; pass tensor.contiguous() and copy back")
+
+
 class _Route:
     """A layout with the scheme chosen for it and, once it compresses, its scheme buffers."""
 
@@ -232,13 +248,7 @@ class Compressor:
             gradcomp.CorruptPacketError: a corrupt packet seen by a CUDA decode of an earlier step
                 (``on_corrupt="raise"``).
         """
-        if not isinstance(name, str):
-            raise TypeError(f"allreduce: name={name!r}; accepted: a str")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"allreduce: expected a torch.Tensor for {name!r}, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided or not tensor.is_contiguous():
-            raise ValueError(f"allreduce: tensor {name!r} (layout {tensor.layout}, shape {tuple(tensor.shape)}) "
-                             f"is not a contiguous strided tensor; pass tensor.contiguous() and copy back")
+        check_allreduce_args(tensor, name)
         n = tensor.numel()
         known = self._names.get(name)
         if known is not None and known[0] != n:

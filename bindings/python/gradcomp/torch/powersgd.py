@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from .. import lowrank, planner
 from ..schemes.context import completed
+from .compressor import check_allreduce_args
 from .residuals import NONFINITE_MODES, ResidualStore
 from .stats import Stats
 
@@ -805,13 +806,7 @@ class PowerSGDCompressor:
         Raises:
             TypeError: not a tensor, or ``name`` not a str. ValueError: a non-contiguous tensor.
         """
-        if not isinstance(name, str):
-            raise TypeError(f"allreduce: name={name!r}; accepted: a str")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"allreduce: expected a torch.Tensor for {name!r}, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided or not tensor.is_contiguous():
-            raise ValueError(f"allreduce: tensor {name!r} (shape {tuple(tensor.shape)}) is not contiguous; "
-                             f"pass tensor.contiguous() and copy back")
+        check_allreduce_args(tensor, name)
         if name in self._step_names:
             self.end_step()
         self._step_names.add(name)

@@ -1,0 +1,327 @@
+"""gradcomp.planner's cost model and gradcomp-plan: link rates, alpha-beta collective times,
+predicted bucket times per scheme, the hierarchical byte formulas, auto's choice from the cost
+model, a training step's plan, and the published figures, all against hand calculations written
+here (never against the planner's own helpers).
+
+Exact comparisons where the arithmetic is exact in binary64 (dyadic fractions, integers);
+otherwise within 1e-12 relative (stated inline).
+"""
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gradcomp  # noqa: E402
+from gradcomp import planner  # noqa: E402
+from gradcomp import planner_cli  # noqa: E402
+
+
+def pad16(n):
+    return (n + 15) // 16 * 16
+
+
+def close(a, b, rel=1e-12):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=0.0)
+
+
+# -- link rates --------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,bytes_per_s", [
+    ("100mbit", 12.5e6), ("1gbit", 125e6), ("10gbit", 1.25e9), ("400gbps", 50e9), ("25Gb/s", 3.125e9),
+    ("800", 100e9), ("2.5gbit", 312.5e6), ("64kbit", 8e3), ("unlimited", math.inf), ("inf", math.inf)])
+def test_parse_rate(text, bytes_per_s):
+    assert planner.parse_rate(text) == bytes_per_s
+
+
+@pytest.mark.parametrize("bad", ["", "fast", "-1gbit", "0mbit", "1furlong", "gbit", "nan"])
+def test_parse_rate_errors_name_the_value(bad):
+    with pytest.raises(ValueError, match="accepted"):
+        planner.parse_rate(bad)
+
+
+def test_link_errors():
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        planner.Link(0)
+    with pytest.raises(ValueError, match="latency_s"):
+        planner.Link(1e9, -1)
+    with pytest.raises(ValueError, match="not both"):
+        planner.Link(1e9, shared=True, per_node=True)
+
+
+# -- alpha-beta times --------------------------------------------------------------------------
+def test_collective_times_by_hand():
+    link = planner.Link(1e9, 1e-5)
+    B, p = 1_000_000, 4
+    # allreduce: 2 (p-1) alpha + 2 (p-1)/p B / beta = 6e-5 + 1.5e-3
+    assert close(planner.collective_time("allreduce", B, p, link), 6e-5 + 1.5e-3)
+    # reduce-scatter: (p-1) alpha + (p-1)/p B / beta
+    assert close(planner.collective_time("reduce_scatter", B, p, link), 3e-5 + 0.75e-3)
+    # all-gather / all-to-all of B per rank / slot: (p-1) alpha + (p-1) B / beta
+    assert close(planner.collective_time("all_gather", B, p, link), 3e-5 + 3e-3)
+    assert close(planner.collective_time("all_to_all", B, p, link), 3e-5 + 3e-3)
+    # one shared medium: each of the 4 senders gets beta / 4
+    shared = planner.Link(1e9, 1e-5, shared=True)
+    assert close(planner.collective_time("allreduce", B, p, shared), 6e-5 + 6e-3)
+    # a load of 2 ranks crossing at once doubles the volume term only
+    assert close(planner.collective_time("allreduce", B, p, link, load=2.0), 6e-5 + 3e-3)
+    assert planner.collective_time("allreduce", B, 1, link) == 0.0
+    assert planner.collective_time("allreduce", B, 4, planner.Link(math.inf, 0.0)) == 0.0
+    with pytest.raises(ValueError, match="accepted"):
+        planner.collective_time("broadcast", B, p, link)
+
+
+def test_predict_flat_schemes_by_hand():
+    # one node of 4 on a 1 GB/s link, alpha 10 us; kernels from a table so they are known
+    n, W, a, beta = 1 << 16, 4, 1e-5, 1e9
+    table = {"format": "gradcomp-bench/1", "device": "cpu", "rows": []}
+    model = planner.CostModel(planner.Link(beta, a), throughput=planner.Throughput(device="cpu"))
+    fp16, int8 = gradcomp.Codec("fp16"), gradcomp.Codec("int8")
+    D = 4 * n
+    dense = model.predict("dense", fp16, n, "float32", W)
+    assert close(dense["comm_s"], 2 * 3 * a + 2 * 3 / 4 * D / beta)
+    assert dense["encode_s"] == 0 and dense["decode_s"] == 0
+    assert dense["bytes"] == {"intra": 2 * 3 / 4 * D, "inter": 0.0}
+    s = model.predict("sum", fp16, n, "float32", W)  # the fp16 payload, 2 n bytes
+    assert close(s["comm_s"], 2 * 3 * a + 2 * 3 / 4 * (2 * n) / beta)
+    P = 32 + pad16(n) + pad16(4 * (n // 128))  # int8: header, n codes, a float32 per block of 128
+    g = model.predict("gather", int8, n, "float32", W)
+    assert close(g["comm_s"], 3 * a + 3 * P / beta)
+    c = n // W
+    P1 = 32 + pad16(c) + pad16(4 * (c // 128))
+    t = model.predict("two_phase", int8, n, "float32", W)
+    assert close(t["comm_s"], 2 * (3 * a + 3 * P1 / beta))
+    assert t["bytes"]["intra"] == 2 * 3 * P1
+    # kernel times: CPU default bandwidth, 85% efficiency, compulsory bytes (x, packet, residual)
+    bw = planner.DEVICE_BYTES_PER_S["cpu"] * 0.85
+    assert close(g["encode_s"], (4 * n + P + 8 * n) / bw)
+    assert close(g["decode_s"], W * (4 * n + P) / bw)
+    assert close(g["total_s"], g["comm_s"] + g["encode_s"] + g["decode_s"])
+    assert table["rows"] == []
+
+
+def test_predict_hierarchical_by_hand():
+    # 2 nodes x 2 on gloo: intra loopback (inf bandwidth, alpha a), inter a per-node 1 Gb/s NIC
+    n, a = 1 << 20, 5e-5
+    R = 125e6
+    model = planner.CostModel(planner.Link(math.inf, a, name="lo"), planner.Link(R, a, per_node=True), 2,
+                              planner.Throughput(device="cpu"), "gloo")
+    none = gradcomp.Codec("none")
+    D, c = 4 * n, n // 2
+    h = model.predict("hierarchical", none, n, "float32", 4, "dense")
+    # intra: gloo allreduce over 2 (2 messages, inf bandwidth), all-gather over 2 (1 message);
+    # inter: dense allreduce of the 4c-byte chunk over 2 nodes, both local ranks' groups on the NIC
+    assert close(h["comm_s"], 2 * a + a + 2 * a + 2 * (2 * 1 / 2 * 4 * c) / R)
+    assert h["bytes"] == {"intra": 2 * 1 / 2 * D + 4 * c, "inter": 2 * 1 / 2 * 4 * c}
+    # flat dense over 2 nodes: one ring hop per direction crosses the NIC: load 1
+    f = model.predict("dense", none, n, "float32", 4)
+    assert close(f["comm_s"], 6 * a + 2 * 3 / 4 * D / R)
+    # NCCL accounting: a real reduce-scatter ((L-1)/L of the bucket)
+    hb = planner.hierarchical_bytes(none, n, "float32", 4, 2, "dense", "nccl")
+    assert hb["intra_bytes"] == 1 / 2 * D + 4 * c
+    gb = planner.bucket_bytes("hierarchical", none, n, "float32", 4, local_world_size=2, inner="dense", engine="gloo")
+    assert gb["intra_bytes"] == D + 4 * c and gb["inter_bytes"] == 4 * c
+    assert gb["sent_bytes"] == gb["intra_bytes"] + gb["inter_bytes"]
+    assert gb["ring_bytes"] == 2 * 3 / 4 * D
+    with pytest.raises(ValueError, match="inner"):
+        planner.bucket_bytes("hierarchical", none, n, "float32", 4, local_world_size=2)
+    with pytest.raises(ValueError, match="divide"):
+        planner.hierarchical_groups(6, 4)
+    with pytest.raises(ValueError, match="more than one node"):
+        planner.CostModel(planner.Link(1e9)).predict("hierarchical", none, n, "float32", 4, "dense")
+
+
+def test_hierarchical_bytes_uneven_chunks():
+    # n = 10 over L = 4: c = 3, chunks 3, 3, 3, 1; every local rank accounts the full chunk c
+    none = gradcomp.Codec("none")
+    hb = planner.hierarchical_bytes(none, 10, "bfloat16", 8, 4, "sum", "gloo")
+    D = 20
+    payload_c = 4 * 3  # the chunk travels as float32 across nodes
+    assert hb["intra_bytes"] == 2 * 3 / 4 * D + 3 * (2 * 3)
+    assert hb["inter_bytes"] == 2 * 1 / 2 * payload_c
+
+
+# -- auto from the cost model --------------------------------------------------------------------
+def mlp_buckets():
+    """The main job's digits MLP (64 -> 256 -> 256 -> 10) in one DDP bucket (25 MiB cap) and a
+    25M-parameter model's 25 MiB buckets. (Much smaller buckets can go to gather even on an
+    unlimited link: an all-gather sends W-1 messages where a ring allreduce sends 2 (W-1), and
+    at a few thousand elements that latency outweighs the kernels; the model says so.)"""
+    mlp = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    return [(mlp, "float32")] + planner.ddp_buckets(planner.parameter_list(25_000_000))
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk:ratio=0.01", "int8", "onebit"])
+def test_auto_dense_on_unlimited_compressed_at_100mbit(spec):
+    codec = gradcomp.Codec(spec)
+    fast = planner.CostModel.loopback("unlimited")
+    slow = planner.CostModel.loopback("100mbit")
+    for n, dt in mlp_buckets():
+        assert planner.choose_scheme(codec, n, dt, 4, cost_model=fast) == "dense"
+        assert planner.choose_scheme(codec, n, dt, 4, cost_model=slow) != "dense"
+    # without a cost model the byte rule decides, as before
+    assert planner.choose_scheme(codec, 1 << 16, "float32", 4) == planner.bytes_choice(codec, 1 << 16, "float32", 4)
+
+
+def test_choose_picks_the_least_predicted_time():
+    codec = gradcomp.Codec("int8")
+    m = planner.CostModel.loopback("1gbit")
+    ch = m.choose(codec, 1 << 20, "float32", 4)
+    best = min(ch["predictions"], key=lambda p: p["total_s"])
+    assert ch["scheme"] == best["scheme"]
+    names = [p["scheme"] for p in ch["predictions"]]
+    assert names == ["dense", "gather", "two_phase"]
+    assert "cost model chose" in planner.choice_report(ch)
+    # with two nodes of 2 the hierarchical candidates appear (one per inner scheme) ...
+    m2 = planner.CostModel(planner.Link(math.inf, 5e-5), planner.Link.parse("100mbit", 5e-5, per_node=True), 2,
+                           planner.Throughput(device="cpu"), "gloo")
+    ch2 = m2.choose(codec, 1 << 20, "float32", 4, local_world_size=2)
+    assert [(p["scheme"], p["inner"]) for p in ch2["predictions"]][3:] == [
+        ("hierarchical", "dense"), ("hierarchical", "gather"), ("hierarchical", "two_phase")]
+    # ... only when the compressor's local world size matches
+    ch3 = m2.choose(codec, 1 << 20, "float32", 4, local_world_size=0)
+    assert all(p["scheme"] != "hierarchical" for p in ch3["predictions"])
+    inner = planner.hierarchical_inner(codec, 1 << 20, "float32", 4, 2, cost_model=m2)
+    hp = [p for p in ch2["predictions"] if p["scheme"] == "hierarchical"]
+    assert inner == min(hp, key=lambda p: p["total_s"])["inner"]
+
+
+def test_choose_scheme_requested_and_small():
+    codec = gradcomp.Codec("int8")
+    m = planner.CostModel.loopback("100mbit")
+    assert planner.choose_scheme(codec, 100, "float32", 4, cost_model=m) == "dense"  # < min_compress_numel
+    assert planner.choose_scheme(codec, 1 << 20, "float32", 4, "gather", cost_model=m) == "gather"
+    assert planner.choose_scheme(codec, 1 << 20, "float32", 4, "hierarchical") == "hierarchical"
+    with pytest.raises(ValueError, match="accepted"):
+        planner.choose_scheme(codec, 1 << 20, "float32", 4, "tree")
+
+
+# -- the training step ---------------------------------------------------------------------------
+def test_ddp_buckets_by_hand():
+    cap = 1000  # bytes: 250 float32 elements per bucket
+    params = [("a", 100, "float32"), ("b", 300, "float32"), ("c", 60, "bfloat16"), ("d", 50, "float32")]
+    # reverse order: d (50), c (bf16 60, own dtype), b 300 -> 200 fills the first bucket to 250, 100 left,
+    # a 100 -> 200; flush: float32 200, bfloat16 60
+    assert planner.ddp_buckets(params, cap) == [(250, "float32"), (200, "float32"), (60, "bfloat16")]
+    assert planner.ddp_buckets(params, cap, dtype="bfloat16") == [(500, "bfloat16"), (10, "bfloat16")]
+    with pytest.raises(ValueError, match="bucket_cap_bytes"):
+        planner.ddp_buckets(params, 0)
+
+
+def test_plan_step_accumulate_overlap_required_bandwidth():
+    none = gradcomp.Codec("none")
+    m = planner.CostModel(planner.Link(10e9, 0.0))
+    params = planner.parameter_list(10_000_000)
+    p1 = planner.plan_step(params, none, 8, m, "dense", step_time_s=0.5, bucket_cap_bytes=4_000_000)
+    p8 = planner.plan_step(params, none, 8, m, "dense", step_time_s=0.5, accumulate=8, backward_s=0.001,
+                           bucket_cap_bytes=4_000_000)
+    D = 40_000_000
+    assert p1["gradient_bytes"] == D
+    assert p1["bytes"]["intra"] == 2 * 7 / 8 * D  # 10 buckets of 4 MB, each 2 (W-1)/W
+    assert p1["required_bytes_per_s"] == D / 0.5 and p1["required_bits_per_s"] == 8 * D / 0.5
+    assert p8["required_bytes_per_s"] == D / (8 * 0.5)
+    assert p8["bytes_per_micro_batch"]["intra"] == p1["bytes"]["intra"] / 8
+    assert 1 - p8["bytes_per_micro_batch"]["intra"] / p1["bytes_per_micro_batch"]["intra"] == 0.875
+    per_bucket = 2 * 7 / 8 * 4_000_000 / 10e9
+    assert close(p1["comm_s"], 10 * per_bucket)
+    assert p1["exposed_overlap_s"] == p1["sync_s"]  # no backward given: nothing overlaps
+    assert close(p8["exposed_overlap_s"], 10 * per_bucket - 0.001)
+    assert close(p1["step_s"], 0.5 + 10 * per_bucket)
+    # overlap never hides the last bucket
+    p9 = planner.plan_step(params, none, 8, m, "dense", backward_s=100.0, bucket_cap_bytes=4_000_000)
+    assert close(p9["exposed_overlap_s"], per_bucket)
+    with pytest.raises(ValueError, match="accumulate"):
+        planner.plan_step(params, none, 8, m, accumulate=0)
+
+
+def test_parameter_list():
+    mod = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2, bias=False))
+    assert planner.parameter_list(mod) == [("0.weight", 12, "float32"), ("0.bias", 4, "float32"),
+                                           ("1.weight", 8, "float32")]
+    assert planner.parameter_list(70e9) == [("params", 70_000_000_000, "float32")]
+    with pytest.raises(ValueError, match="whole number"):
+        planner.parameter_list(1.5)
+    with pytest.raises(TypeError, match="accepted"):
+        planner.parameter_list("big")
+
+
+# -- the published figures -------------------------------------------------------------------------
+def test_published_figures_exact():
+    figs = {claim: (got, want) for claim, got, want in planner.published_figures()}
+    got = {k: v[0] for k, v in figs.items()}
+    assert got["70B float32 gradients per step (bytes)"] == 70 * 10 ** 9 * 4 == 280 * 10 ** 9
+    assert got["70B every 2 s: required bytes/s"] == 140e9
+    assert got["70B every 2 s: required bits/s"] == 1.12e12
+    assert got["ring allreduce, 512 ranks: bytes per link per phase / data"] == 511 / 512
+    assert got["hierarchical, 8 per rack: data entering the network, flat / hierarchical"] == 8.0
+    assert close(got["hierarchical, 64 racks of 8: per-rank inter-rack bytes, flat / hierarchical"], 511 / 63)
+    assert got["accumulate 8: traffic cut per micro-batch"] == 0.875
+    assert got["175B float32 gradients per step at 8, 512, 4096 GPUs (bytes)"] == [700 * 10 ** 9]
+    for claim, (g, w) in figs.items():  # and each agrees with the figure the list quotes
+        assert g == w or close(g, w), claim
+
+
+# -- gradcomp-plan --------------------------------------------------------------------------------
+def test_cli_json_70b(capsys):
+    assert planner_cli.main(["--params", "70e9", "--gpus", "512", "--step-time", "2", "--codec", "none",
+                             "--codec", "bf16", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["gradient_bytes"] == 280e9
+    assert res["required_bytes_per_s"] == 140e9 and res["required_bits_per_s"] == 1.12e12
+    assert res["inputs"]["nodes"] == 64 and res["inputs"]["gpus_per_node"] == 8
+    dense = res["rows"][0]
+    assert dense["codec"] == "none" and dense["schemes_used"] == {"dense": math.ceil(280e9 / (25 << 20))}
+    # the flat ring over 64 nodes: every rank's 2 (W-1)/W of the gradient crosses the network
+    assert close(dense["bytes"]["inter"], 2 * 511 / 512 * 280e9, rel=1e-9)
+    assert {s["gbps"] for s in res["sweep"]} == set(planner_cli.SWEEP_GBPS)
+
+
+def test_cli_table_png_and_scheme_all(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert planner_cli.main(["--params", "125M", "--gpus", "16", "--gpus-per-node", "8", "--link-gbps",
+                             "network=100", "--codec", "none", "--codec", "int8", "--scheme", "all",
+                             "--step-time", "0.3", "--backward", "0.2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "required bandwidth" in text and "hierarchical" in text and "int8" in text
+    png = (out / "plan_step_vs_bandwidth.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    res = json.loads((out / "plan.json").read_text())
+    assert [r["scheme"] for r in res["rows"]] == ["dense", "auto", "dense", "two_phase", "gather", "hierarchical"]
+    assert res["inputs"]["cost_model"]["inter"]["bits_per_s"] == 100e9
+
+
+def test_cli_model_module(tmp_path, monkeypatch, capsys):
+    (tmp_path / "gc_plan_model.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10).to(torch.bfloat16))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert planner_cli.main(["--model", "gc_plan_model:build", "--gpus", "2", "--json", "--codec", "none"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["inputs"]["params"] == 1000 * 1000 + 1000 + 1000 * 10 + 10
+    assert res["gradient_bytes"] == 4 * (1000 * 1000 + 1000) + 2 * (1000 * 10 + 10)
+    with pytest.raises(SystemExit):
+        planner_cli.main(["--model", "torch.nn:Linear", "--gpus", "2"])  # needs arguments
+    assert "torch.nn:Linear" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--gpus", "4"], "--params or --model"),
+    (["--params", "1e6", "--gpus", "6", "--gpus-per-node", "4"], "must divide"),
+    (["--params", "1.5x"], "whole number"),
+    (["--params", "1e6", "--link-gbps", "wifi=1"], "accepted"),
+    (["--params", "1e6", "--accumulate", "0"], "accumulate"),
+    (["--model", "nomodule"], "module:attr"),
+])
+def test_cli_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        planner_cli.main(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_cli_figures(capsys):
+    assert planner_cli.main(["--figures"]) == 0
+    out = capsys.readouterr().out
+    assert "280000000000" in out and "1120000000000.0" in out and "0.875" in out

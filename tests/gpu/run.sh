@@ -9,7 +9,9 @@
 #   4. tests/python/test_cuda.py, the CUDA cases of tests/python/test_lowrank.py (-k cuda) and the
 #      codec contract suite on CUDA (pytest --pyargs gradcomp.testing -k cuda) against the module
 #      just built, GRADCOMP_REQUIRE_GPU=1;
-#   5. the CUDA benchmarks (bench_cuda, JSON into the log).
+#   5. the CUDA benchmarks (bench_cuda, JSON into the log);
+#   6. gradcomp-bench on CUDA (every codec beside torch and the copy floor, 2^20, 2^24, 2^28;
+#      bench_cuda.json / .png / .txt into $GRADCOMP_GPU_LOG/bench; timeout 300 s).
 # It FAILS (exit 1) when anything fails, when the Python module cannot be built, when pytest
 # collects no CUDA test, or when no GPU is visible: a run cannot pass empty.
 # Everything is tee'd into $GRADCOMP_GPU_LOG (default gpu-log/; the caller collects it from there).
@@ -32,7 +34,7 @@ while [[ $# -gt 0 ]]; do
     --build-only) build_only=1; shift ;;
     --jobs) jobs=$2; shift 2 ;;
     --no-python) python=OFF; shift ;;
-    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -168,6 +170,15 @@ if [[ -x $build/bench/bench_cuda ]]; then
     failures+=("bench_cuda")
 else
   echo "bench_cuda was not built (Google Benchmark missing: prepare gpu-carry/ with tests/gpu/prepare_carry.sh)"
+fi
+
+section "gradcomp-bench --device cuda (python -m gradcomp.bench)"
+if [[ $python == ON && -n $so ]]; then
+  # the staged package of the pytest section (PYTHONPATH), after the correctness tests
+  timeout 300 "$py" -m gradcomp.bench --device cuda --sizes 20 24 28 --reps 5 --out "$log/bench" ||
+    failures+=("gradcomp-bench --device cuda")
+else
+  echo "gradcomp-bench not run: no Python module"
 fi
 
 section "summary"

@@ -561,6 +561,19 @@ _EFFICIENCY = {"topk": 0.25, "randomk": 0.5, "dgc": 0.25}
 _DEFAULT_EFFICIENCY = 0.85
 
 
+def encode_traffic_bytes(numel: int, dtype: Any, packet_bytes: int, error_feedback: bool) -> int:
+    """Compulsory memory traffic of an encode in bytes: the input read (``numel`` elements of
+    ``dtype``) plus the packet written, plus, with error feedback, the float32 residual read and
+    written (8 bytes per element). The floor ``gradcomp-bench`` divides by copy bandwidth."""
+    return dense_bytes(numel, dtype) + int(packet_bytes) + (8 * int(numel) if error_feedback else 0)
+
+
+def decode_traffic_bytes(numel: int, dtype: Any, packet_bytes: int) -> int:
+    """Compulsory memory traffic of a decode (assign mode) in bytes: the packet read plus the
+    ``numel`` output elements of ``dtype`` written."""
+    return int(packet_bytes) + dense_bytes(numel, dtype)
+
+
 class Throughput:
     """Encode / decode time of a codec on one device: from a ``gradcomp-bench`` JSON table
     (``table``: measured seconds; the largest size of the codec and dtype, scaled linearly in
@@ -597,7 +610,7 @@ class Throughput:
         r = self._rates(codec, dtype)
         if r is not None:
             return n / r[0]
-        b = dense_bytes(n, dtype) + int(codec.packet_bytes(n, dtype)) + (8 * n if error_feedback else 0)
+        b = encode_traffic_bytes(n, dtype, codec.packet_bytes(n, dtype), error_feedback)
         return b / (DEVICE_BYTES_PER_S[self.device] * _EFFICIENCY.get(codec.spec.split(':')[0], _DEFAULT_EFFICIENCY))
 
     def decode_s(self, codec, numel: int, dtype: Any) -> float:
@@ -608,7 +621,7 @@ class Throughput:
         r = self._rates(codec, dtype)
         if r is not None:
             return n / r[1]
-        b = dense_bytes(n, dtype) + int(codec.packet_bytes(n, dtype))
+        b = decode_traffic_bytes(n, dtype, codec.packet_bytes(n, dtype))
         return b / (DEVICE_BYTES_PER_S[self.device] * _DEFAULT_EFFICIENCY)
 
 

@@ -10,6 +10,7 @@ otherwise within 1e-12 relative (stated inline).
 import json
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -136,10 +137,15 @@ def test_hierarchical_bytes_uneven_chunks():
     # n = 10 over L = 4: c = 3, chunks 3, 3, 3, 1; every local rank accounts the full chunk c
     none = gradcomp.Codec("none")
     hb = planner.hierarchical_bytes(none, 10, "bfloat16", 8, 4, "sum", "gloo")
-    D = 20
     payload_c = 4 * 3  # the chunk travels as float32 across nodes
-    assert hb["intra_bytes"] == 2 * 3 / 4 * D + 3 * (2 * 3)
+    # the node sum accumulates in a float32 copy (gloo: an allreduce of 40 bytes); the all-gather
+    # of the averaged chunks is in the bucket dtype (3 bfloat16 elements from each of 3 others)
+    assert hb["intra_bytes"] == 2 * 3 / 4 * 40 + 3 * (2 * 3)
     assert hb["inter_bytes"] == 2 * 1 / 2 * payload_c
+    # NCCL: the float32 copy padded to L c = 12 elements is reduce-scattered, (L-1)/L of 48 bytes
+    hn = planner.hierarchical_bytes(none, 10, "bfloat16", 8, 4, "sum", "nccl")
+    assert hn["intra_bytes"] == 3 / 4 * 48 + 3 * (2 * 3)
+    assert planner.hierarchical_inner(none, 10 ** 6, "float32", 4, 4, "gather") == "dense"  # one node
 
 
 # -- auto from the cost model --------------------------------------------------------------------
@@ -325,3 +331,77 @@ def test_cli_figures(capsys):
     assert planner_cli.main(["--figures"]) == 0
     out = capsys.readouterr().out
     assert "280000000000" in out and "1120000000000.0" in out and "0.875" in out
+
+
+# -- auto from the cost model on real gloo ranks ----------------------------------------------------
+def job_auto(rank, world, spec, model_kind):
+    """The main job's digits MLP under DDP (one 25 MiB bucket), `auto` from a cost model every rank
+    builds from the same configuration; returns the layouts and the parameters after one step."""
+    import logging
+
+    import gradcomp.torch as gt
+    from test_ddp_hook import ddp
+
+    if model_kind == "two_nodes_100mbit":
+        cm = planner.CostModel(planner.Link(math.inf, 5e-5), planner.Link.parse("100mbit", 5e-5, per_node=True), 2,
+                               planner.Throughput(device="cpu"), "gloo")
+        kw = {"local_world_size": 2}
+    else:
+        cm = planner.CostModel.loopback(model_kind)
+        kw = {}
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    lg = logging.getLogger("gradcomp")
+    h = Keep(level=logging.INFO)
+    lg.addHandler(h)
+    old = lg.level
+    lg.setLevel(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        m = ddp(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                    torch.nn.ReLU(), torch.nn.Linear(256, 10)), bucket_cap_mb=25)
+        st = gt.register(m, codec=spec, cost_model=cm, **kw)
+        g = torch.Generator().manual_seed(100 + rank)
+        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).numpy().copy()
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+    lay = [(d["scheme"], d.get("inner"), d["numel"]) for d in st.bucket_layouts()]
+    return lay, grads, [r for r in records if "cost model chose" in r]
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk:ratio=0.01", "int8"])
+def test_auto_cost_model_on_gloo_ranks(spec):
+    """The same model and codec: dense on an unlimited loopback, compressed at 100 Mb/s, and
+    hierarchical on two nodes joined at 100 Mb/s; the same choice (and bitwise the same average)
+    on every rank, the choice logged once with every candidate's predicted time, and equal to
+    the planner's own choice for the bucket."""
+    from test_ddp_hook import run
+
+    codec = gradcomp.Codec(spec)
+    for kind in ("unlimited", "100mbit", "two_nodes_100mbit"):
+        res = run(4, job_auto, spec, kind)
+        lays = [r[0] for r in res]
+        assert all(lay == lays[0] for lay in lays), (kind, lays)
+        assert len(lays[0]) == 1, lays  # one bucket
+        scheme, inner, numel = lays[0][0]
+        assert numel == 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+        g0 = res[0][1]
+        for r in res[1:]:
+            assert np.array_equal(r[1].view(np.int32), g0.view(np.int32)), kind
+        logs = res[0][2]
+        assert len(logs) == 1 and "dense" in logs[0], logs
+        if kind == "unlimited":
+            assert scheme == "dense", (kind, scheme)
+        elif kind == "100mbit":
+            assert scheme != "dense", (kind, scheme)
+            assert scheme == planner.CostModel.loopback("100mbit").choose(codec, numel, "float32", 4)["scheme"]
+        else:
+            assert scheme == "hierarchical" and inner in ("sum", "gather", "two_phase"), (kind, scheme, inner)
+            assert "hierarchical(" in logs[0]

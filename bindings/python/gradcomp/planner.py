@@ -339,8 +339,11 @@ def hierarchical_inner(codec, numel: int, dtype: Any, world_size: int, local_wor
     ranks of one local rank; every local rank takes the scheme of the full chunk size c, so the
     choice is the same on every rank. ``requested`` is the inner scheme asked for (not
     ``hierarchical``). With a ``cost_model`` of L ranks per node and ``requested="auto"``: the
-    inner scheme of least predicted hierarchical time (:meth:`CostModel.predict`)."""
+    inner scheme of least predicted hierarchical time (:meth:`CostModel.predict`). One node
+    (W = L): ``"dense"``, whatever is requested (nothing crosses nodes)."""
     nodes, L = hierarchical_groups(world_size, local_world_size)
+    if nodes == 1:  # one node: nothing crosses, the chunks are summed exactly
+        return "dense"
     if requested == "hierarchical":
         requested = "auto"
     c = chunk_size(numel, L)
@@ -358,22 +361,24 @@ def hierarchical_steps(codec, numel: int, dtype: Any, world_size: int, local_wor
     ranks, sent_bytes)]`` (level ``"intra"`` or ``"inter"``; ``nbytes`` is the buffer of an
     allreduce / reduce-scatter, one rank's part of an all-gather, one slot of an all-to-all):
 
-      1. inside the node (L ranks) the bucket in ``dtype`` is reduce-scattered: each local rank
-         keeps the node sum of its chunk (c = ceil(n / L) elements; :func:`chunk`). NCCL sends
-         (L-1)/L of the bucket; on gloo, which has no reduce-scatter, it is an allreduce of the
-         whole bucket (2 (L-1)/L);
+      1. inside the node (L ranks) a float32 copy of the bucket (the node sum accumulates in
+         float32 whatever ``dtype``) is reduce-scattered: each local rank keeps the node sum of
+         its chunk (c = ceil(n / L) elements; :func:`chunk`). NCCL reduce-scatters the copy
+         padded to L c elements ((L-1)/L of 4 L c bytes); on gloo it is an allreduce of the
+         copy (2 (L-1)/L of 4 n bytes), as gloo runs it;
       2. across nodes (N = W / L ranks of one local rank) the chunk (float32, c elements) goes
          through ``inner`` (:func:`scheme_steps` of dense, sum, gather or two_phase);
       3. inside the node the averaged chunks are all-gathered in ``dtype`` ((L-1) c bytes each).
     """
     nodes, L = hierarchical_groups(world_size, local_world_size)
     c = chunk_size(numel, L)
-    d = dense_bytes(numel, dtype)
     steps = []
     if L > 1:
         if engine == "gloo":
+            d = dense_bytes(numel, "float32")
             steps.append(("intra", "allreduce", d, L, ring_allreduce_bytes(d, L)))
         else:
+            d = dense_bytes(L * c, "float32")
             steps.append(("intra", "reduce_scatter", d, L, (L - 1) / L * d))
     if nodes > 1:
         for _, kind, nbytes, p, sent in scheme_steps(inner, codec, c, "float32", nodes):

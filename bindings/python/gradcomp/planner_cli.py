@@ -6,7 +6,7 @@ Examples::
     gradcomp-plan --params 70e9 --gpus 512 --step-time 2          # 280 GB/step, 1.12 Tb/s
     gradcomp-plan --params 1.3B --gpus 64 --gpus-per-node 8 --link-gbps network=100 \\
         --codec none --codec bf16 --codec topk:ratio=0.01 --scheme all --out results/plan
-    gradcomp-plan --model torchvision.models:resnet50 --gpus 16 --json
+    gradcomp-plan --model torch.nn:Transformer --gpus 16 --json
     gradcomp-plan --figures                                        # the published figures
 
 Prints a table (one row per codec and scheme: bytes one rank sends per synchronization inside
@@ -60,7 +60,7 @@ def load_model(spec: str):
         ValueError: not ``module:attr``, or attr does not give a module with named_parameters.
     """
     if ":" not in spec:
-        raise ValueError(f"--model {spec!r}: expected module:attr (e.g. torchvision.models:resnet50)")
+        raise ValueError(f"--model {spec!r}: expected module:attr (e.g. torch.nn:Transformer)")
     mod, attr = spec.split(":", 1)
     try:
         obj = importlib.import_module(mod)

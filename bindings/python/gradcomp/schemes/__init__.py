@@ -14,11 +14,17 @@ on every rank):
   all-to-all so rank r gets every rank's packet of chunk r, decode them in rank order into a
   float32 sum, re-encode it with the ``"server"`` residual, all-gather, decode (DeepSpeed 1-bit
   Adam's compressed allreduce, Tang et al. 2021; ZeRO++ qgZ, Wang et al. 2023).
+- :func:`hierarchical`: any codec, nodes of L ranks: an uncompressed float32 reduce-scatter
+  inside the node (an allreduce on gloo), one of the four above across nodes over the N = W / L
+  ranks of the same local rank for this rank's chunk of the node sum (encode divisor W:
+  ``ctx.divisor``), an all-gather of the averaged chunks inside the node
+  (:mod:`gradcomp.schemes.hierarchical`; its groups: :mod:`gradcomp.schemes.groups`).
 
 World size 1 returns ``tensor`` unchanged. ``ctx`` is a :class:`SchemeContext` (codec, group,
 world size, per-layout buffers); ``slots`` maps slot names to flat float32 tensors of
 ``tensor.numel()`` elements (``"residual"``, the worker error-feedback residual) and, for
-two_phase, ``"server"`` (float32, the count of this rank's chunk); ``probe``
+two_phase, ``"server"`` (float32, the count of this rank's chunk; under hierarchical with inner
+two_phase, of this rank's piece of its node chunk, ``ctx.server_chunk``); ``probe``
 times the phases and sees each decode workspace (:class:`NullProbe` when None). Schemes never see
 the state of the hook or compressor that calls them.
 
@@ -28,9 +34,12 @@ Byte formulas for each scheme live in :mod:`gradcomp.planner`.
 from .allgather import gather
 from .allreduce import dense, sum  # noqa: A004 - the scheme is called sum
 from .context import NullProbe, SchemeContext
+from .groups import HierarchicalGroups, engine_of, hierarchical_groups_for
+from .hierarchical import hierarchical
 from .two_phase import two_phase
 
-SCHEMES = {"dense": dense, "sum": sum, "gather": gather, "two_phase": two_phase}
-"""Scheme name -> function; the names of :data:`gradcomp.planner.SCHEMES`."""
+SCHEMES = {"dense": dense, "sum": sum, "gather": gather, "two_phase": two_phase, "hierarchical": hierarchical}
+"""Scheme name -> function; the names of :data:`gradcomp.planner.ALL_SCHEMES`."""
 
-__all__ = ["SCHEMES", "NullProbe", "SchemeContext", "dense", "gather", "sum", "two_phase"]
+__all__ = ["SCHEMES", "HierarchicalGroups", "NullProbe", "SchemeContext", "dense", "engine_of", "gather",
+           "hierarchical", "hierarchical_groups_for", "sum", "two_phase"]

@@ -15,7 +15,8 @@ from .context import SchemeContext, completed, one_round
 
 def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
            probe=None) -> torch.futures.Future:
-    """Average ``tensor`` with any codec: encode ``(g + r) / W`` into ``ctx.packet``,
+    """Average ``tensor`` with any codec: encode ``(g + r) / W`` (W = ``ctx.divisor``, the group
+    size unless the context says otherwise) into ``ctx.packet``,
     ``all_gather_into_tensor`` the W packets (P bytes each) into ``ctx.gathered``, zero the float32
     accumulator ``ctx.acc``, decode the packets of ranks 0..W-1 in that order into it with
     ``accumulate=True`` (out = fl(out + D), float32), and round once into ``tensor``.

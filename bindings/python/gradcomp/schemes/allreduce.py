@@ -15,11 +15,12 @@ from .context import NULL_PROBE, SchemeContext, completed, one_round
 
 def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
           probe=None) -> torch.futures.Future:
-    """Average ``tensor`` uncompressed: ``tensor /= W`` (in its dtype), then one SUM allreduce.
+    """Average ``tensor`` uncompressed: ``tensor /= W`` (in its dtype; ``ctx.divisor``, W unless
+    the context says otherwise), then one SUM allreduce.
 
     Args:
         tensor: any dtype torch.distributed can sum (dense or sparse), reduced in place.
-        ctx: only ``world_size`` and ``group`` are used.
+        ctx: only ``world_size``, ``divisor`` and ``group`` are used.
         slots: unused (dense sends every value; residual flushing is the caller's).
         probe: times ``"comm_s"`` (launch to completion).
 
@@ -31,7 +32,7 @@ def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str,
         return completed(tensor)
     probe = probe or NULL_PROBE
     t0 = probe.clock()
-    tensor.div_(W)
+    tensor.div_(ctx.divisor)
     fut = dist.all_reduce(tensor, group=ctx.group, async_op=True).get_future()
 
     def done(f):
@@ -43,9 +44,10 @@ def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str,
 
 def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,  # noqa: A001
         probe=None) -> torch.futures.Future:
-    """Average ``tensor`` with a linear codec: encode ``(g + r) / W`` into ``ctx.packet``, one SUM
-    allreduce of the payload view ``codec.payload(numel, dtype)`` (the header stays local), decode
-    the summed packet into ``tensor``.
+    """Average ``tensor`` with a linear codec: encode ``(g + r) / W`` (W = ``ctx.divisor``, the
+    group size unless the context says otherwise) into ``ctx.packet``, one SUM allreduce of the
+    payload view ``codec.payload(numel, dtype)`` (the header stays local), decode the summed
+    packet into ``tensor``.
 
     For none/fp16/bf16 the payload holds the numel values in order (summed as a dense allreduce
     of them would be) and, where the codec defines one, a wire element (0 or NaN) that keeps a

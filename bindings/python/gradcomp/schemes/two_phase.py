@@ -13,7 +13,8 @@ Protocol for a flat tensor of n elements over W ranks, this rank r (byte formula
 
 1. chunks: c = ceil(n / W); chunk j = [j c, min(n, (j+1) c)), the last shorter, possibly empty;
 2. encode chunk j of the tensor with the worker residual's slice (``slots["residual"]``, float32,
-   n elements, gradient units) and ``divisor=W`` into slot j (P1 = packet_bytes(c, dtype) bytes;
+   n elements, gradient units) and ``divisor=W`` (``ctx.divisor``: W, or the full world size when
+   two_phase runs across nodes inside ``hierarchical``) into slot j (P1 = packet_bytes(c, dtype) bytes;
    a shorter chunk's packet sits at the start of its slot, the rest is zero; an empty chunk is
    not encoded and its slot stays zero);
 3. one ``all_to_all_single`` of the W * P1 bytes: slot j goes to rank j, so rank r receives the W
@@ -85,7 +86,7 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
     for j, (a, m) in enumerate(ctx.chunks):
         if m:
             codec.encode(flat[a: a + m], residual=None if residual is None else residual[a: a + m],
-                         out=ctx.packet[j * p1: j * p1 + codec.packet_bytes(m, dtype)], divisor=W)
+                         out=ctx.packet[j * p1: j * p1 + codec.packet_bytes(m, dtype)], divisor=ctx.divisor)
     probe.tock("encode_s", t0)
     t1 = probe.clock()
     dist.all_to_all_single(ctx.received, ctx.packet, group=ctx.group)

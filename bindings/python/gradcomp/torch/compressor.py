@@ -17,6 +17,7 @@ fp16_compress_hook).
 
 import functools
 import logging
+import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from .. import planner
 from ..codec import Codec
-from ..schemes import SCHEMES, SchemeContext
+from ..schemes import SCHEMES, SchemeContext, engine_of, hierarchical_groups_for
 from ..schemes.context import completed
 from .residuals import NONFINITE_MODES, Layout, ResidualStore
 from .stats import CORRUPT_MODES, StepRecord, Stats
@@ -38,9 +39,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CAST_CODECS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """The 16-bit cast codecs and their wire dtype: on a 16-bit tensor they save nothing."""
 
-PICKLE_VERSION = 1
+PICKLE_VERSION = 2
+"""Format of a pickled Compressor; 2 added local_world_size, inner_scheme and cost_model (a
+version-1 pickle loads with their defaults)."""
 
-SCHEME_CHOICES = ("auto", "sum", "gather", "two_phase", "dense")
+SCHEME_CHOICES = ("auto", "sum", "gather", "two_phase", "hierarchical", "dense")
+
+INNER_CHOICES = ("auto", "dense", "sum", "gather", "two_phase")
+"""The ``inner_scheme`` values: what ``hierarchical`` runs across nodes (``"auto"``:
+:func:`gradcomp.planner.hierarchical_inner`)."""
 
 ParamMap = Sequence[Tuple[str, int, int]]
 
@@ -69,6 +76,43 @@ def check_options(*, scheme: str, nonfinite: str, ints: Sequence[Tuple[str, Any]
         raise ValueError(f"on_corrupt={on_corrupt!r}; accepted: {', '.join(CORRUPT_MODES)}")
 
 
+def resolve_local_world_size(local_world_size: Optional[int], world_size: int, scheme: str) -> int:
+    """L, the ranks per node of the ``hierarchical`` scheme, for a group of ``world_size`` ranks:
+    ``local_world_size`` when given, else the ``LOCAL_WORLD_SIZE`` environment variable (torchrun
+    sets it) when it is an integer dividing the world size; 0 when neither applies and the
+    scheme is not ``"hierarchical"`` (``auto`` then never takes hierarchical).
+
+    Raises:
+        ValueError: ``local_world_size`` not an integer >= 1 dividing ``world_size``; for
+            ``scheme="hierarchical"``, neither given nor set, or ``LOCAL_WORLD_SIZE`` not such an
+            integer (each message names the value and the world size).
+    """
+    W = int(world_size)
+    if local_world_size is not None:
+        v = local_world_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or W % v != 0:
+            raise ValueError(f"local_world_size={v!r}; accepted: an integer >= 1 dividing the world size {W} "
+                             f"(ranks per node), or None (the LOCAL_WORLD_SIZE environment variable)")
+        return int(v)
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is not None and env.strip():
+        try:
+            v = int(env.strip())
+        except ValueError:
+            v = 0
+        if v >= 1 and W % v == 0:
+            return v
+        if scheme == "hierarchical":
+            raise ValueError(f"scheme='hierarchical': the LOCAL_WORLD_SIZE environment variable is {env!r}; "
+                             f"accepted: an integer >= 1 dividing the world size {W}; or pass local_world_size=")
+        return 0
+    if scheme == "hierarchical":
+        raise ValueError(f"scheme='hierarchical' needs the ranks per node: pass local_world_size= (an integer "
+                         f"dividing the world size {W}) or set the LOCAL_WORLD_SIZE environment variable "
+                         f"(torchrun sets it)")
+    return 0
+
+
 def check_allreduce_args(tensor, name) -> None:
     """The argument checks of every ``allreduce(tensor, name)`` (Compressor, PowerSGDCompressor).
 
@@ -86,14 +130,18 @@ def check_allreduce_args(tensor, name) -> None:
 
 
 class _Route:
-    """A layout with the scheme chosen for it and, once it compresses, its scheme buffers."""
+    """A layout with the scheme chosen for it and, once it compresses, its scheme buffers;
+    ``inner`` / ``engine``: hierarchical's scheme across nodes and the engine its bytes are
+    accounted for ("" otherwise)."""
 
-    __slots__ = ("layout", "scheme", "ctx")
+    __slots__ = ("layout", "scheme", "ctx", "inner", "engine")
 
-    def __init__(self, layout: Layout, scheme: str):
+    def __init__(self, layout: Layout, scheme: str, inner: str = "", engine: str = ""):
         self.layout = layout
         self.scheme = scheme
         self.ctx: Optional[SchemeContext] = None
+        self.inner = inner
+        self.engine = engine
 
 
 def _label(key) -> str:
@@ -114,16 +162,25 @@ class Compressor:
             chunks, one all-to-all of their packets, each rank sums its chunk in float32 in rank
             order and re-encodes it with its server residual, all-gather, decode; DeepSpeed 1-bit
             Adam, Tang et al. 2021, and ZeRO++ qgZ, Wang et al. 2023: :mod:`gradcomp.schemes.
-            two_phase`), ``"dense"`` (divide by W, SUM allreduce, as PyTorch's allreduce_hook) or
-            ``"auto"`` (:func:`gradcomp.planner.choose_scheme`: sum for linear codecs; gather for
-            sparse ones (top-k) when ``W * packet_bytes < 2 * dense_bytes``; two_phase for the
-            others (the quantizers) when it sends fewer bytes than a dense ring allreduce; else
-            dense). The choice uses only numel, dtype, W and codec properties.
+            two_phase`), ``"hierarchical"`` (any codec, nodes of ``local_world_size`` = L ranks:
+            an uncompressed float32 reduce-scatter inside the node -- an allreduce on gloo --,
+            ``inner_scheme`` across nodes between the ranks of the same local rank for this rank's
+            chunk of the node sum, an all-gather inside the node: :mod:`gradcomp.schemes.
+            hierarchical`), ``"dense"`` (divide by W, SUM allreduce, as PyTorch's allreduce_hook)
+            or ``"auto"`` (:func:`gradcomp.planner.choose_scheme`: with ``cost_model`` the scheme
+            of least predicted time, hierarchical included when L is known; else sum for linear
+            codecs; gather for sparse ones (top-k) when ``W * packet_bytes < 2 * dense_bytes``;
+            two_phase for the others (the quantizers) when it sends fewer bytes than a dense ring
+            allreduce; else dense). The choice uses only numel, dtype, W, L, codec properties and
+            the cost model's configuration.
         error_feedback: keep a float32 residual per element (Karimireddy et al. 2019): encode sees
             ``x' = g + r`` and leaves ``r = x' - W * decode(packet)``, in gradient units. Under
             two_phase each rank also keeps a float32 server residual for its chunk of each layout
             (in units of the average), folded into the worker residuals when the layout changes or
             goes dense and saved with its layout in checkpoints (:mod:`gradcomp.torch.residuals`).
+            Under hierarchical the worker residual of a rank covers its chunk of the node sum
+            (the rank that encodes it); with inner two_phase it also keeps the server residual of
+            its piece of that chunk (folded with factor W, as two_phase's).
         group: the ``torch.distributed`` process group (None: the default group).
         min_compress_numel: tensors/buckets with fewer elements go dense (default 1024).
         nonfinite: ``"restore"`` (default; a second residual copy) or ``"reset"``: the residuals
@@ -136,6 +193,16 @@ class Compressor:
             not configured), a stderr ``StreamHandler`` at INFO is attached to it once
             (:data:`gradcomp.torch.stats.STDERR_HANDLER`); configure logging first to route the
             lines elsewhere.
+        local_world_size: L, ranks per node for ``"hierarchical"`` (nodes of L consecutive
+            ranks of ``group``: rank r is on node r // L, local rank r % L); None (default): the
+            ``LOCAL_WORLD_SIZE`` environment variable (torchrun's) when set. Must divide W.
+        inner_scheme: what hierarchical runs across nodes: ``"dense"``, ``"sum"`` (linear
+            codecs), ``"gather"``, ``"two_phase"`` or ``"auto"`` (default:
+            :func:`gradcomp.planner.hierarchical_inner`, the ``auto`` rule applied to one chunk
+            of ceil(n / L) float32 elements over the N = W / L nodes; across one node, N = 1,
+            nothing crosses and the inner scheme is dense).
+        cost_model: a :class:`gradcomp.planner.CostModel` for ``"auto"`` (and an ``"auto"``
+            inner scheme), or None: passed to :func:`gradcomp.planner.choose_scheme`.
 
     Steps: a step ends at :meth:`end_step`, or when :meth:`allreduce` sees a name a second time
     (so a loop that reduces each name once per iteration needs no call). Records, the one-step-
@@ -152,7 +219,10 @@ class Compressor:
     (one warning per codec and dtype; use ``"none"``, or a smaller codec).
 
     Joined ranks (``joined=True``) send exact zeros and keep their worker residuals; under
-    two_phase they still sum and re-encode their chunk for the others, with its server residual.
+    two_phase they still sum and re-encode their chunk for the others, with its server residual;
+    under hierarchical they still encode their chunk of the node sum across nodes (without
+    their worker residual: its compression error that step is not fed back) and serve their
+    inner two_phase piece with its server residual.
 
     Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (per rank, bit-exact, checked
     against the rank, codec and error_feedback), or pickle the Compressor itself
@@ -168,8 +238,10 @@ class Compressor:
         store: the :class:`gradcomp.torch.residuals.ResidualStore` holding the residuals.
 
     Raises:
-        ValueError: unknown scheme / nonfinite / on_corrupt, ``scheme="sum"`` with a non-linear
-            codec, a negative min_compress_numel or log_every.
+        ValueError: unknown scheme / nonfinite / on_corrupt / inner_scheme, ``scheme="sum"`` or
+            ``inner_scheme="sum"`` with a non-linear codec, a negative min_compress_numel or
+            log_every; a local_world_size not dividing W, or ``scheme="hierarchical"`` without
+            local_world_size nor LOCAL_WORLD_SIZE (:func:`resolve_local_world_size`).
         TypeError: error_feedback not a bool; group not a ProcessGroup.
         gradcomp.InvalidArgumentError: a bad codec spec.
     """
@@ -184,20 +256,32 @@ class Compressor:
 
     def __init__(self, codec: Any, scheme: str = "auto", error_feedback: bool = True, group=None, *,
                  min_compress_numel: int = 1024, nonfinite: str = "restore", on_corrupt: str = "raise",
-                 log_every: int = 0):
+                 log_every: int = 0, local_world_size: Optional[int] = None, inner_scheme: str = "auto",
+                 cost_model=None):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback, group=group,
                       on_corrupt=on_corrupt,
                       ints=(("min_compress_numel", min_compress_numel), ("log_every", log_every)))
+        if inner_scheme not in INNER_CHOICES:
+            raise ValueError(f"inner_scheme={inner_scheme!r}; accepted: {', '.join(INNER_CHOICES)}")
         self.codec = codec if isinstance(codec, Codec) else Codec(str(codec))
         self.linear = bool(self.codec.properties["linear"])
         if scheme == "sum" and not self.linear:
             raise ValueError(f"scheme='sum' needs a linear codec; {self.codec.spec} is not linear (use 'gather')")
+        if inner_scheme == "sum" and not self.linear:
+            raise ValueError(f"inner_scheme='sum' needs a linear codec; {self.codec.spec} is not linear "
+                             f"(use 'gather' or 'two_phase')")
+        world = dist.get_world_size(group)
+        self.local_world_size = resolve_local_world_size(local_world_size, world, scheme)
+        self._local_world_size_arg = local_world_size
+        self.inner_scheme = inner_scheme
+        self.cost_model = cost_model
         self.scheme = scheme
         self.error_feedback = error_feedback
         self.min_compress_numel = int(min_compress_numel)
         self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.world_size = world
         self.rank = dist.get_rank(group)
+        self._hierarchical_groups()
         self.iter = 0  # steps completed
         self.store = ResidualStore(nonfinite)
         self._stats = Stats(self.world_size, self.codec.spec, nonfinite, on_corrupt, int(log_every))
@@ -211,6 +295,15 @@ class Compressor:
         self._unit: Optional[torch.Tensor] = None  # the loss scale the residuals are in (None: 1)
         self._unit_step = -1  # the step whose residuals were last brought to the scaler's scale
         self._restored: Optional[dict] = None  # a state_dict from a pickle, loaded on first use
+
+    def _hierarchical_groups(self) -> None:
+        """Create the intra/cross-node process groups now (every rank constructs the Compressor
+        at the same point), not inside a hook, when hierarchical may run (:mod:`gradcomp.schemes.
+        groups`; cached per group and L)."""
+        L = self.local_world_size
+        if L and self.world_size > 1 and (self.scheme == "hierarchical"
+                                          or (self.scheme == "auto" and self.cost_model is not None)):
+            hierarchical_groups_for(self.group, L)
 
     nonfinite = property(lambda self: self.store.nonfinite, doc="``\"restore\"`` or ``\"reset\"`` (read-only).")
     log_every = property(lambda self: self._stats.log_every, doc="Steps between stats log lines (read-only).")
@@ -317,8 +410,19 @@ class Compressor:
         route = self._routes.get(key)
         if route is None or route.layout is not lay:
             scheme = planner.choose_scheme(self.codec, lay.numel, lay.dtype, self.world_size, self.scheme,
-                                           self.min_compress_numel)
-            route = self._routes[key] = _Route(lay, scheme)
+                                           self.min_compress_numel, cost_model=self.cost_model,
+                                           local_world_size=self.local_world_size)
+            inner = engine = ""
+            if scheme == "hierarchical":
+                L = self.local_world_size
+                if self.world_size == L:  # one node: nothing crosses, the chunks are summed exactly
+                    inner = "dense"
+                else:
+                    inner = planner.hierarchical_inner(self.codec, lay.numel, lay.dtype, self.world_size, L,
+                                                       self.inner_scheme, self.min_compress_numel,
+                                                       cost_model=self.cost_model)
+                engine = engine_of(self.group, lay.device)
+            route = self._routes[key] = _Route(lay, scheme, inner, engine)
             self._fallback.discard(key)
             wire = CAST_CODECS.get(self.codec.spec)
             if scheme != "dense" and wire is not None and lay.dtype in (torch.float16, torch.bfloat16):
@@ -330,16 +434,32 @@ class Compressor:
                                 f"gradcomp: codec {self.codec.spec} on a {dt} {_label(key).split()[0]} saves nothing "
                                 f"(16 bits per element either way){loss}; use codec 'none' for the same bytes "
                                 f"without a cast, or a smaller codec (e.g. 'topk:ratio=0.01')")
+            shown = scheme
+            if inner:
+                shown = (f"{scheme} (inner {inner} over {self.world_size // self.local_world_size} nodes of "
+                         f"{self.local_world_size}, {engine})")
             log.info("gradcomp: %s layout: %d elements, %s, %d parameters, scheme %s (codec %s, W=%d)",
-                     _label(key), lay.numel, str(lay.dtype).replace("torch.", ""), len(lay.params), scheme,
+                     _label(key), lay.numel, str(lay.dtype).replace("torch.", ""), len(lay.params), shown,
                      self.codec.spec, self.world_size)
+            if self.cost_model is not None and self.scheme == "auto" and lay.numel >= max(1, self.min_compress_numel):
+                choice = self.cost_model.choose(self.codec, lay.numel, lay.dtype, self.world_size,
+                                                local_world_size=self.local_world_size,
+                                                min_compress_numel=self.min_compress_numel)
+                log.info("gradcomp: %s layout: %s", _label(key), planner.choice_report(choice))
         return route
 
-    def _bucket(self, key, tensor, scheme: str) -> dict:
-        """The stats dict of one call; bytes from the planner."""
+    def _bucket(self, key, tensor, scheme: str, route: Optional[_Route] = None) -> dict:
+        """The stats dict of one call; bytes from the planner (hierarchical: with ``inner``,
+        ``local_world_size`` and the planner's ``intra_bytes`` / ``inter_bytes``)."""
         b = {key[0]: key[1], "numel": tensor.numel(), "dtype": str(tensor.dtype).replace("torch.", ""),
              "scheme": scheme}
-        b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size))
+        if scheme == "hierarchical":
+            b["inner"], b["local_world_size"] = route.inner, self.local_world_size
+            b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size,
+                                          local_world_size=self.local_world_size, inner=route.inner,
+                                          engine=route.engine))
+        else:
+            b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size))
         return b
 
     def _dense(self, rec: StepRecord, tensor, key, lay: Optional[Layout], joined: bool):
@@ -364,21 +484,26 @@ class Compressor:
 
     def _compressed(self, rec: StepRecord, tensor, key, route: _Route, joined: bool):
         lay = route.layout
-        two_phase = route.scheme == "two_phase"
         if route.ctx is None:
             route.ctx = SchemeContext.for_layout(route.scheme, self.codec, lay.numel, lay.dtype, lay.device,
-                                                 self.group, self.world_size, rank=self.rank)
+                                                 self.group, self.world_size, rank=self.rank,
+                                                 local_world_size=self.local_world_size, inner=route.inner)
+        # the server residual (ResidualStore docstring): two_phase, this rank's chunk; hierarchical
+        # with inner two_phase, this rank's piece of its node chunk; both folded with factor W
+        server = None
+        if route.scheme == "two_phase":
+            start, count = planner.chunk(lay.numel, self.world_size, self.rank)
+            server = (start, count, self.world_size)
+        elif route.scheme == "hierarchical" and route.ctx.server_chunk is not None:
+            server = route.ctx.server_chunk + (self.world_size,)
         if self.error_feedback:
-            server = None
-            if two_phase:  # this rank's chunk: its server residual (ResidualStore docstring)
-                start, count = planner.chunk(lay.numel, self.world_size, self.rank)
-                server = (start, count, self.world_size)
             self.store.activate(lay, server=server)
-        b = self._bucket(key, tensor, route.scheme)
+        b = self._bucket(key, tensor, route.scheme, route)
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
-        # joined ranks send exact zeros and keep their worker residuals; under two_phase they
-        # still sum their chunk for the others, with its server residual
-        names = None if not joined else (("server",) if two_phase else ())
+        # joined ranks send exact zeros and keep their worker residuals; under two_phase (and
+        # hierarchical's inner two_phase) they still sum their chunk for the others, with its
+        # server residual
+        names = None if not joined else (("server",) if server is not None else ())
         slots = self.store.slots(lay, names) if self.error_feedback and names != () else None
         if slots:
             self.store.snapshot(lay, names)
@@ -405,8 +530,8 @@ class Compressor:
 
     # -- introspection -------------------------------------------------------------------------
     def scheme_of(self, name: str) -> str:
-        """The scheme ``allreduce(..., name)`` uses: ``"sum"``, ``"gather"``, ``"two_phase"`` or
-        ``"dense"``.
+        """The scheme ``allreduce(..., name)`` uses: ``"sum"``, ``"gather"``, ``"two_phase"``,
+        ``"hierarchical"`` (its inner scheme: :meth:`layouts`) or ``"dense"``.
 
         Raises:
             KeyError: ``name`` has not been reduced yet.
@@ -421,12 +546,22 @@ class Compressor:
 
     def layouts(self) -> List[dict]:
         """The current layouts: ``[{"index" (bucket) or "name" (tensor), "numel", "dtype",
-        "scheme", "params": [(name, offset, length)]}]`` (offsets and lengths in elements)."""
-        return [{key[0]: key[1], "numel": r.layout.numel, "dtype": str(r.layout.dtype).replace("torch.", ""),
-                 "scheme": r.scheme, "params": list(r.layout.params)} for key, r in self._routes.items()]
+        "scheme", "params": [(name, offset, length)]}]`` (offsets and lengths in elements); a
+        hierarchical layout also has ``"inner"`` (its scheme across nodes) and
+        ``"local_world_size"``."""
+        out = []
+        for key, r in self._routes.items():
+            d = {key[0]: key[1], "numel": r.layout.numel, "dtype": str(r.layout.dtype).replace("torch.", ""),
+                 "scheme": r.scheme, "params": list(r.layout.params)}
+            if r.scheme == "hierarchical":
+                d["inner"], d["local_world_size"] = r.inner, self.local_world_size
+            out.append(d)
+        return out
 
     def server_residuals(self) -> List[dict]:
-        """The server residuals of the two_phase layouts (this rank's chunk of each):
+        """The server residuals of the two_phase layouts (this rank's chunk of each) and of the
+        hierarchical layouts with inner two_phase (this rank's piece of its node chunk; world_size
+        is the fold factor W there too):
         ``[{"index" (bucket) or "name" (tensor), "start", "count" (elements of the flat tensor),
         "world_size", "residual": float32 1-D copy of count elements}]``, in layout order;
         empty without two_phase or error feedback. Checkpoint loads not yet placed in a layout
@@ -474,7 +609,10 @@ class Compressor:
         = 8 * packet bytes / numel (:mod:`gradcomp.planner`), seconds ``encode_s``, ``decode_s``,
         ``comm_s`` (launch to completion as seen by the callback; CUDA: events read one step
         late), ``compressed_buckets`` and ``dense_buckets``. ``buckets``: one dict per call of
-        the most recent step (its ``index`` or ``name``, numel, dtype, scheme, bytes, times).
+        the most recent step (its ``index`` or ``name``, numel, dtype, scheme, bytes, times; a
+        hierarchical call adds ``inner``, ``local_world_size`` and the bytes sent inside and
+        across nodes, ``intra_bytes`` / ``inter_bytes``, whose sum is its ``sent_bytes``:
+        :func:`gradcomp.planner.hierarchical_bytes`).
 
         Raises:
             gradcomp.CorruptPacketError: a corrupt packet seen by a CUDA decode (on_corrupt="raise").
@@ -545,10 +683,14 @@ class Compressor:
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Per-rank state: ``{"version", "codec", "world_size", "rank", "iter", "error_feedback",
-        "grad_scale", "residuals": {name: float32 1-D tensor}, "server_residuals": [...]}``; only
-        names that hold a residual appear; ``server_residuals`` lists the two_phase server
-        residuals with their layouts (:meth:`gradcomp.torch.residuals.ResidualStore.server_state`:
-        key, numel, dtype, parameter map, chunk, world size, float32 tensor); ``grad_scale``
+        "grad_scale", "scheme", "local_world_size", "inner_scheme", "residuals": {name: float32
+        1-D tensor}, "server_residuals": [...]}``; only names that hold a residual appear;
+        ``server_residuals`` lists the server residuals of two_phase (and hierarchical with inner
+        two_phase) with their layouts (:meth:`gradcomp.torch.residuals.ResidualStore.server_state`:
+        key, numel, dtype, parameter map, chunk, world size = fold factor, float32 tensor);
+        ``scheme``, ``local_world_size`` (0: none) and ``inner_scheme`` record the configuration
+        (informational: residuals are owed gradient mass whatever the scheme, so they load into
+        any configuration and are not checked against these); ``grad_scale``
         (float) is the loss scale the residuals are in (1.0 without
         :meth:`attach_grad_scaler`; reading it is a host read of a device scalar, so do not
         call this inside a hook). Residuals differ per rank: save one file per rank.
@@ -561,6 +703,7 @@ class Compressor:
         return {"version": 1, "codec": self.codec.spec, "world_size": self.world_size, "rank": self.rank,
                 "iter": self.iter, "error_feedback": self.error_feedback,
                 "grad_scale": 1.0 if self._unit is None else float(self._unit),
+                "scheme": self.scheme, "local_world_size": self.local_world_size, "inner_scheme": self.inner_scheme,
                 "residuals": self.store.state(), "server_residuals": self.store.server_state()}
 
     def mismatches(self, sd: dict) -> List[str]:
@@ -648,21 +791,29 @@ class Compressor:
         checks of :meth:`load_state_dict` (``strict`` as there); otherwise, with another world
         size the residuals are dropped (a warning).
 
+        ``local_world_size`` is resolved again for the new group's size (the argument given, else
+        ``LOCAL_WORLD_SIZE``) and hierarchical's process groups are created for it (every rank
+        of ``group`` calls this at the same point).
+
         Raises:
             TypeError: ``group`` not None or a ProcessGroup.
-            ValueError: (strict) the pickled checkpoint does not match, see :meth:`load_state_dict`.
+            ValueError: (strict) the pickled checkpoint does not match, see :meth:`load_state_dict`;
+                local_world_size does not divide the new world size (hierarchical: or is unknown).
         """
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"set_process_group: group={group!r}; accepted: None or a torch.distributed.ProcessGroup")
         world = dist.get_world_size(group)
+        local = resolve_local_world_size(self._local_world_size_arg, world, self.scheme)
         if self._restored is None and world != self.world_size and self.store.state():
             self._warn(f"gradcomp: process group of world size {world} replaces world size {self.world_size}: "
                        f"residuals dropped")
             self.store = ResidualStore(self.nonfinite, self.store.slot_names)
         self.group, self.world_size, self.rank = group, world, dist.get_rank(group)
+        self.local_world_size = local
         self._stats.world_size = world
         self._dense_ctx = SchemeContext(self.codec, group, world)
         self._routes.clear()
+        self._hierarchical_groups()
         self._load_restored(strict)
 
     def _load_restored(self, strict: bool) -> None:
@@ -681,22 +832,28 @@ class Compressor:
         return {"version": PICKLE_VERSION, "codec": self.codec.spec, "scheme": self.scheme,
                 "error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
                 "nonfinite": self.nonfinite, "on_corrupt": self.on_corrupt, "log_every": self.log_every,
-                "explicit_group": self.group is not None, "state": dict(sd, iter=self.iter), "stats": self._stats,
+                "local_world_size": self._local_world_size_arg, "inner_scheme": self.inner_scheme,
+                "cost_model": self.cost_model, "explicit_group": self.group is not None,
+                "state": dict(sd, iter=self.iter), "stats": self._stats,
                 "names": {k: (n, str(d)) for k, (n, d) in self._names.items()},
                 "step_names": sorted(self._step_names)}
 
     def _restore(self, d: dict) -> None:
-        """Rebuild from :meth:`_checkpoint` on the default group; residuals wait in ``_restored``."""
-        if not isinstance(d, dict) or d.get("version") != PICKLE_VERSION:
+        """Rebuild from :meth:`_checkpoint` on the default group; residuals wait in ``_restored``.
+        Formats 1 and 2 load (1 has no local_world_size / inner_scheme / cost_model: their
+        defaults; a local_world_size given as None is read from ``LOCAL_WORLD_SIZE`` again)."""
+        if not isinstance(d, dict) or d.get("version") not in (1, PICKLE_VERSION):
             raise ValueError(f"gradcomp: cannot unpickle a Compressor of format "
                              f"{d.get('version') if isinstance(d, dict) else type(d).__name__!r}; "
-                             f"this version reads {PICKLE_VERSION}")
+                             f"this version reads 1 and {PICKLE_VERSION}")
         if not dist.is_initialized():
             raise RuntimeError("gradcomp: unpickling a Compressor needs torch.distributed initialized "
                                "(dist.init_process_group) first")
         Compressor.__init__(self, d["codec"], d["scheme"], d["error_feedback"], None,
                             min_compress_numel=d["min_compress_numel"], nonfinite=d["nonfinite"],
-                            on_corrupt=d["on_corrupt"], log_every=d["log_every"])
+                            on_corrupt=d["on_corrupt"], log_every=d["log_every"],
+                            local_world_size=d.get("local_world_size"), inner_scheme=d.get("inner_scheme", "auto"),
+                            cost_model=d.get("cost_model"))
         stats = d["stats"]
         stats.world_size = self.world_size
         self._stats = stats

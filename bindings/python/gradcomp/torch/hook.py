@@ -117,12 +117,17 @@ class CompressionState:
             ``"two_phase"`` (any codec: the bucket cut into W chunks, one all-to-all of their
             packets, each rank sums its chunk in float32 in rank order and re-encodes it with its
             server residual, one all-gather, decode: DeepSpeed 1-bit Adam's compressed allreduce,
-            Tang et al. 2021, and ZeRO++ qgZ, Wang et al. 2023), ``"dense"`` (plain allreduce of
-            the bucket divided by W, like PyTorch's allreduce_hook) or ``"auto"``: ``sum`` for
+            Tang et al. 2021, and ZeRO++ qgZ, Wang et al. 2023), ``"hierarchical"`` (nodes of
+            ``local_world_size`` ranks: uncompressed float32 reduce-scatter inside the node, an
+            allreduce on gloo; ``inner_scheme`` across nodes for this rank's chunk of the node
+            sum; all-gather inside the node: :mod:`gradcomp.schemes.hierarchical`), ``"dense"``
+            (plain allreduce of the bucket divided by W, like PyTorch's allreduce_hook) or
+            ``"auto"``: with ``cost_model`` the scheme of least predicted time; else ``sum`` for
             linear codecs; ``gather`` for sparse ones (top-k) when it sends fewer bytes than a
             dense ring allreduce (``W * packet_bytes < 2 * dense_bytes``); ``two_phase`` for the
             others (the quantizers) when it does; else dense. The choice uses only numel, dtype,
-            W and codec properties, so every rank agrees (:func:`gradcomp.planner.choose_scheme`).
+            W, L, codec properties and the cost model's configuration, so every rank agrees
+            (:func:`gradcomp.planner.choose_scheme`).
         start_iter: synchronized steps (hook calls on the last bucket) sent dense before
             compression starts (default 0). Buckets are rebuilt by DDP after the first step; the
             residuals follow the parameters into the new layout, so 0 is safe.
@@ -133,6 +138,13 @@ class CompressionState:
         log_every: log a stats line through ``logging.getLogger("gradcomp")`` at INFO every N
             steps (0: never); when logging is not configured a stderr handler is attached to that
             logger once (see :class:`gradcomp.torch.Compressor`).
+        local_world_size: ranks per node L for ``"hierarchical"`` (nodes of L consecutive ranks
+            of the process group); None (default): the ``LOCAL_WORLD_SIZE`` environment variable
+            (torchrun sets it). Must divide the world size.
+        inner_scheme: hierarchical's scheme across nodes: ``"auto"`` (default;
+            :func:`gradcomp.planner.hierarchical_inner`), ``"dense"``, ``"sum"`` (linear codecs),
+            ``"gather"`` or ``"two_phase"``.
+        cost_model: a :class:`gradcomp.planner.CostModel` for ``"auto"``, or None.
 
     Server residuals (two_phase): each rank keeps a float32 residual for its chunk of each
     bucket layout (``state.compressor.server_residuals()``). Chunk boundaries are bucket offsets,
@@ -187,14 +199,17 @@ class CompressionState:
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel (FSDP1, FSDP2 and plain modules
             are named, with what to use instead); a missing codec; error_feedback not a bool.
-        ValueError: unknown scheme or nonfinite mode, a ``sum`` scheme with a non-linear codec,
-            negative start_iter / min_compress_numel.
+        ValueError: unknown scheme, inner_scheme or nonfinite mode, a ``sum`` scheme (or inner
+            scheme) with a non-linear codec, negative start_iter / min_compress_numel; a
+            local_world_size not dividing the world size, or ``scheme="hierarchical"`` with neither
+            local_world_size nor LOCAL_WORLD_SIZE.
         gradcomp.InvalidArgumentError: a bad codec spec.
     """
 
     def __init__(self, ddp_model, codec: Any, error_feedback: bool = True, scheme: str = "auto",
                  start_iter: int = 0, min_compress_numel: int = 1024, nonfinite: str = "restore",
-                 process_group=None, log_every: int = 0):
+                 process_group=None, log_every: int = 0, *, local_world_size: Optional[int] = None,
+                 inner_scheme: str = "auto", cost_model=None):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback,
                       group=process_group, group_arg="process_group",
                       ints=(("start_iter", start_iter), ("min_compress_numel", min_compress_numel),
@@ -203,9 +218,13 @@ class CompressionState:
         self.start_iter = int(start_iter)
         self._group_given = process_group is not None
         group = process_group if process_group is not None else ddp_model.process_group
+        # the hierarchical options travel only when given (a powersgd codec's compressor has none)
+        extra = {k: v for k, v, given in (("local_world_size", local_world_size, local_world_size is not None),
+                                          ("inner_scheme", inner_scheme, inner_scheme != "auto"),
+                                          ("cost_model", cost_model, cost_model is not None)) if given}
         self.compressor = Compressor(codec, scheme, error_feedback, group,
                                      min_compress_numel=min_compress_numel, nonfinite=nonfinite,
-                                     log_every=log_every)
+                                     log_every=log_every, **extra)
         self._unbound()
         self._bind_model(ddp_model)
 
@@ -232,6 +251,10 @@ class CompressionState:
     linear = property(lambda self: self.compressor.linear, doc="Whether the codec is linear.")
     error_feedback = property(lambda self: self.compressor.error_feedback)
     scheme = property(lambda self: self.compressor.scheme, doc="The requested scheme (``auto`` included).")
+    local_world_size = property(lambda self: getattr(self.compressor, "local_world_size", 0),
+                                doc="Ranks per node for hierarchical (0: not known).")
+    inner_scheme = property(lambda self: getattr(self.compressor, "inner_scheme", "auto"),
+                            doc="Hierarchical's requested scheme across nodes.")
     min_compress_numel = property(lambda self: self.compressor.min_compress_numel)
     nonfinite = property(lambda self: self.compressor.nonfinite)
     log_every = property(lambda self: self.compressor.log_every)

@@ -1,0 +1,165 @@
+"""The ``hierarchical`` scheme: an uncompressed reduce-scatter inside each node, a compressed
+scheme across nodes between the ranks of the same local rank, an all-gather inside each node.
+
+Only the inter-node hop is compressed, where bandwidth is scarce (NVLink / PCIe inside a node is
+an order of magnitude faster than the network between nodes); each rank compresses one chunk of
+its node's sum, so a node sends one packet of the bucket across, not L. It is the shape of
+Horovod's hierarchical allreduce (``HOROVOD_HIERARCHICAL_ALLREDUCE``: NCCL reduce-scatter inside
+the node, an allreduce across nodes, NCCL all-gather; ``NCCLHierarchicalAllreduce`` in
+horovod/common/ops/nccl_operations.cc) with a gradcomp scheme as the inter-node step.
+
+Protocol for a flat tensor of n elements over W ranks in N = W / L nodes of L consecutive ranks
+(rank r: node k = r // L, local rank j = r % L; byte formulas in :func:`gradcomp.planner.
+hierarchical_steps`, groups in :mod:`gradcomp.schemes.groups`):
+
+1. inside the node: the node SUM of chunk j = :func:`gradcomp.planner.chunk` (n, L, j) (c =
+   ceil(n / L) elements, the last shorter or empty), in float32 whatever the bucket dtype, not
+   divided by anything: on gloo an allreduce of a float32 copy of the whole bucket (``ctx.acc``),
+   whose chunk j is taken (the planner accounts gloo's intra-node step as that allreduce); on
+   NCCL ``reduce_scatter_tensor`` of a float32 copy padded with zeros to L c elements into
+   ``ctx.node_sum`` (c elements);
+2. across nodes: the chunk's node sum s (float32, count elements) goes through the inner scheme
+   (``ctx.inner``: dense, sum, gather or two_phase) over the N ranks of local rank j, with an
+   inner context whose divisor is W (the full world size, not N): packets carry (s + r) / W, so
+   their sum over the N nodes is the global average. The worker residual r is this rank's slice
+   of chunk j of the ``"residual"`` slot (float32, gradient units as everywhere: the ranks owe
+   r / W) and becomes x' - W D, x' = s + r; only the rank that encodes chunk j of its node holds a
+   residual for it (the slot is zero elsewhere). Inner ``dense`` (and N = 1, where nothing
+   crosses a node) adds r into s and zeroes it, then divides by W and SUM-allreduces. Inner
+   ``two_phase`` also keeps the server residual (``"server"``, float32, in units of the average)
+   of this rank's piece of the chunk, ``ctx.server_chunk`` = (chunk start + :func:`gradcomp.
+   planner.chunk` (count, N, k)[0], its count), folded into the worker residual with factor W
+   (:mod:`gradcomp.torch.residuals`);
+3. inside the node: ``all_gather_into_tensor`` of the averaged chunks, each rounded once from
+   float32 into the bucket dtype at the start of a c-element slot (zero after it), L c elements
+   in all; every rank copies the first n into ``tensor``.
+
+Chunk j's average is computed identically on the N ranks of local rank j (the inner schemes are
+bitwise identical on every rank of their group) and all-gathered unchanged, so the result is
+bitwise identical on every rank; with the inner schemes gather and two_phase (and gloo's
+reduction order) also run to run. Steps 1-2 run in the calling thread, waiting for each
+collective there (on NCCL that orders the current stream, no host synchronization; on gloo it
+blocks), so every collective of each process group is issued from the calling thread in call
+order; the all-gather of step 3 is asynchronous and the Future completes after the copy. World
+size 1 and n = 0 return at once; L = 1 skips steps 1 and 3 (the inner scheme over all W ranks on
+a float32 copy), N = 1 skips step 2 (exact: the node sum divided by W).
+"""
+
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .allgather import gather
+from .allreduce import dense
+from .allreduce import sum as sum_scheme
+from .context import NULL_PROBE, SchemeContext, completed
+from .two_phase import two_phase
+
+_INNER = {"dense": dense, "sum": sum_scheme, "gather": gather, "two_phase": two_phase}
+
+
+def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
+                 probe=None) -> torch.futures.Future:
+    """Average ``tensor`` with any codec through the hierarchical protocol of the module docstring.
+
+    Args:
+        tensor: C-contiguous float32/float16/bfloat16, any shape taken as flat (n elements),
+            reduced in place.
+        ctx: a context built for ``"hierarchical"`` of tensor's numel, dtype and device
+            (:meth:`SchemeContext.for_layout` with ``local_world_size``: groups, acc, node_sum,
+            part, gathered, chunks, inner, inner_ctx, server_chunk).
+        slots: error feedback, or None/{}: ``"residual"``, the worker residual (float32, n
+            elements; only this rank's chunk ``ctx.chunks[ctx.local_rank]`` is read and written:
+            x' = s + r is encoded divided by W, r becomes x' - W * D); ``"server"`` (inner
+            two_phase), the server residual of ``ctx.server_chunk`` (float32, its count, units
+            of the average). Either may be absent (a joined rank passes the server alone).
+        probe: times ``"comm_s"`` (the intra-node collectives, and those of the inner scheme),
+            ``"encode_s"`` / ``"decode_s"`` (the inner scheme's); sees its decode workspaces.
+
+    Returns:
+        A Future holding ``tensor``, bitwise identical on every rank.
+
+    Raises:
+        gradcomp.InvalidArgumentError: from an inner encode (dtype, size, device), at once.
+        RuntimeError: a failed intra-node or inner collective issued from the calling thread
+            (torch.distributed's), at once; the all-gather's through the Future.
+        gradcomp.CorruptPacketError: (CPU) an inner packet that fails validation: in the Future.
+            A rank whose inner scheme fails still takes part in the all-gather with a zeroed
+            slot, so every rank of its node fails instead of waiting forever.
+    """
+    W = ctx.world_size
+    n = tensor.numel()
+    if W == 1 or n == 0:
+        return completed(tensor)
+    probe = probe or NULL_PROBE
+    flat = tensor.view(-1)
+    L, N = ctx.local_world_size, ctx.nodes
+    start, count = ctx.chunks[ctx.local_rank]
+    residual = slots.get("residual") if slots else None
+    server = slots.get("server") if slots else None
+
+    # 1. the node sum of this rank's chunk, float32
+    acc = ctx.acc
+    acc[:n].copy_(flat)
+    t0 = probe.clock()
+    if L == 1:
+        s = acc
+    elif ctx.engine == "gloo":
+        dist.all_reduce(acc, group=ctx.intra_group)
+        s = acc[start: start + count]
+    else:
+        dist.reduce_scatter_tensor(ctx.node_sum, acc, group=ctx.intra_group)
+        s = ctx.node_sum[:count]
+    probe.tock("comm_s", t0)
+
+    # 2. across nodes: the inner scheme over the N ranks of this local rank, divisor W
+    fut = None
+    if count:
+        r = None if residual is None else residual[start: start + count]
+        if ctx.inner == "dense":
+            if r is not None:  # dense sends every value: the residual goes with it
+                s.add_(r)
+                r.zero_()
+            if N == 1:
+                s.div_(W)
+            else:
+                fut = dense(s, ctx.inner_ctx, probe=probe)
+        else:
+            inner_slots = {}
+            if r is not None:
+                inner_slots["residual"] = r
+            if server is not None and ctx.inner == "two_phase":
+                inner_slots["server"] = server
+            fut = _INNER[ctx.inner](s, ctx.inner_ctx, inner_slots or None, probe=probe)
+
+    if L == 1:  # no node to gather in: the inner scheme's result is the average
+        def copy_out(f):
+            f.value()
+            flat.copy_(s)
+            return tensor
+
+        return fut.then(copy_out)
+
+    # 3. inside the node: all-gather the averaged chunks, rounded once into the bucket dtype
+    failed: Optional[BaseException] = None
+    if count:
+        try:
+            if fut is not None:
+                fut.wait()
+            ctx.part[:count].copy_(s)
+        except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather
+            failed = e
+            ctx.part.zero_()
+    t1 = probe.clock()
+    work = dist.all_gather_into_tensor(ctx.gathered, ctx.part, group=ctx.intra_group, async_op=True)
+
+    def done(f):
+        f.value()
+        probe.tock("comm_s", t1)
+        if failed is not None:
+            raise failed
+        flat.copy_(ctx.gathered[:n])
+        return tensor
+
+    return work.get_future().then(done)

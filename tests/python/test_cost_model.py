@@ -405,3 +405,31 @@ def test_auto_cost_model_on_gloo_ranks(spec):
         else:
             assert scheme == "hierarchical" and inner in ("sum", "gather", "two_phase"), (kind, scheme, inner)
             assert "hierarchical(" in logs[0]
+
+
+# -- kernel times from a gradcomp-bench table -------------------------------------------------------
+def test_throughput_from_bench_table(tmp_path, capsys):
+    from gradcomp import bench
+    from gradcomp.bench.__main__ import main as bench_main
+
+    assert bench_main(["--sizes", "12", "14", "--codecs", "int8", "--dtypes", "float32", "--reps", "1",
+                       "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    table = bench.load(tmp_path / "bench_cpu.json")
+    row = [r for r in table["rows"] if r["codec"] == "int8" and r["numel"] == 1 << 14 and not r["error_feedback"]][0]
+    tp = planner.Throughput(table=table)
+    int8 = gradcomp.Codec("int8")
+    # the largest size's measured seconds per element, scaled linearly
+    assert close(tp.encode_s(int8, 1 << 20, "float32"), (1 << 20) * row["encode_s"] / (1 << 14))
+    assert close(tp.decode_s(int8, 1 << 20, "float32"), (1 << 20) * row["decode_s"] / (1 << 14))
+    # a codec the table lacks: its compulsory bytes at 85% of the copy bandwidth the table measured
+    fp16 = gradcomp.Codec("fp16")
+    bw = table["copy_bytes_per_s"] * 0.85
+    assert close(tp.encode_s(fp16, 1000, "float32", False), (4000 + fp16.packet_bytes(1000, "float32")) / bw)
+    # gradcomp-plan reads the same file
+    assert planner_cli.main(["--params", "1e6", "--gpus", "4", "--engine", "gloo", "--codec", "int8",
+                             "--scheme", "gather", "--throughput", str(tmp_path / "bench_cpu.json"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["inputs"]["cost_model"]["throughput"] == table["device_name"]
+    with pytest.raises(ValueError, match="device"):
+        planner.Throughput(device="TPU")

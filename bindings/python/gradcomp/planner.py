@@ -582,10 +582,10 @@ def decode_traffic_bytes(numel: int, dtype: Any, packet_bytes: int) -> int:
 class Throughput:
     """Encode / decode time of a codec on one device: from a ``gradcomp-bench`` JSON table
     (``table``: measured seconds; the largest size of the codec and dtype, scaled linearly in
-    elements) or, without one, from a device's memory bandwidth (``device``, a key of
-    :data:`DEVICE_BYTES_PER_S`): compulsory bytes (input read + packet written, + the residual
-    read and written with error feedback, for encode; packet read + output written, for decode)
-    over the bandwidth times the codec family's efficiency.
+    elements) or, without one (or for a codec / dtype the table lacks), from a memory bandwidth
+    (the table's measured ``copy_bytes_per_s``, else ``device``'s entry of
+    :data:`DEVICE_BYTES_PER_S`): compulsory bytes (:func:`encode_traffic_bytes`,
+    :func:`decode_traffic_bytes`) over the bandwidth times the codec family's efficiency.
 
     Raises:
         ValueError: an unknown device name.
@@ -616,7 +616,7 @@ class Throughput:
         if r is not None:
             return n / r[0]
         b = encode_traffic_bytes(n, dtype, codec.packet_bytes(n, dtype), error_feedback)
-        return b / (DEVICE_BYTES_PER_S[self.device] * _EFFICIENCY.get(codec.spec.split(':')[0], _DEFAULT_EFFICIENCY))
+        return b / (self._bandwidth() * _EFFICIENCY.get(codec.spec.split(':')[0], _DEFAULT_EFFICIENCY))
 
     def decode_s(self, codec, numel: int, dtype: Any) -> float:
         """Seconds to decode one packet of ``numel`` elements into ``dtype``."""
@@ -627,7 +627,12 @@ class Throughput:
         if r is not None:
             return n / r[1]
         b = decode_traffic_bytes(n, dtype, codec.packet_bytes(n, dtype))
-        return b / (DEVICE_BYTES_PER_S[self.device] * _DEFAULT_EFFICIENCY)
+        return b / (self._bandwidth() * _DEFAULT_EFFICIENCY)
+
+    def _bandwidth(self) -> float:
+        if self.table is not None and self.table.get("copy_bytes_per_s"):
+            return float(self.table["copy_bytes_per_s"])
+        return DEVICE_BYTES_PER_S[self.device]
 
 
 def _kernel_time(scheme: str, codec, numel: int, dtype: Any, W: int, tp: Throughput, ef: bool) -> Tuple[float, float]:

@@ -55,11 +55,27 @@ packet_ratio = packet bytes / dense bytes; wire_ratio = bytes one rank sends und
 bytes it sends in a ring allreduce of the dense buckets (2(W-1)/W * dense bytes); bits per element
 = 8 * packet bytes / numel.
 
-Exit status 0 on success; 2 on bad arguments (argparse); a failed run raises RuntimeError with the
-worker's traceback.
+Slow links (``--link RATE``, e.g. ``100mbit``, ``1gbit``, ``10gbit``, ``unlimited``; needs root,
+``ip`` and ``tc``): the W workers run inside a network namespace this command creates, whose
+loopback is rate-limited by a tc token-bucket filter at RATE (every rank's traffic shares it;
+:func:`gradcomp.experiments.links.shaped_loopback`), or with ``--link-nodes 2`` in two namespaces
+("nodes", W/2 ranks each) joined by a veth pair rate-limited at RATE in each direction
+(:func:`gradcomp.experiments.links.two_nodes`); the namespaces are removed at the end, also on
+errors, and nothing leaves the machine. The digits table then also has, per codec, the wall-clock
+time to a target accuracy: the target is 98 % of the mean final test accuracy of the dense run
+(codec none, SGD, no error feedback) of the same sweep, and a run's time to target is the wall
+time from its start (model build) to the end of the first epoch whose test accuracy reaches it,
+the per-epoch evaluation excluded (:func:`gradcomp.experiments.links.timed_train_run`), with the
+epoch, how many seeds reached it, and the run's wall time; charlm runs under the same link with
+its usual table. Without ``--link`` nothing changes.
+
+Exit status 0 on success; 2 on bad arguments (argparse) or when ``--link`` cannot build the
+namespaces here (the reason is printed); a failed run raises RuntimeError with the worker's
+traceback.
 """
 
 import argparse
+import contextlib
 import csv
 import json
 import logging
@@ -268,6 +284,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="validation windows of seq-len characters, evenly spaced (default 512)")
     c.add_argument("--charlm-corpus-bytes", type=int, default=None,
                    help="cap on the corpus size in bytes, whole files (default 4194304 = 4 MiB)")
+    lk = p.add_argument_group("slow links (root; see the module docstring)")
+    lk.add_argument("--link", default=None, metavar="RATE",
+                    help="run the workers behind a tc-rate-limited link at RATE (e.g. 100mbit, 1gbit, 10gbit, "
+                         "unlimited); the digits table adds the wall-clock time to 98%% of the dense run's accuracy")
+    lk.add_argument("--link-nodes", type=int, choices=(1, 2), default=1,
+                    help="1: all workers on one shaped loopback (default); 2: two namespaces of W/2 workers "
+                         "joined by a veth pair shaped at RATE")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="results", help="output folder (default results/)")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -298,6 +321,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--charlm-momentum={a.charlm_momentum}; accepted: [0, 1)")
     if a.charlm_corpus_bytes is not None and a.charlm_corpus_bytes < 1:
         p.error(f"--charlm-corpus-bytes={a.charlm_corpus_bytes}; accepted: >= 1")
+    if a.link is not None:
+        from . import links
+
+        try:
+            links.parse_rate(a.link)
+        except ValueError as e:
+            p.error(f"--link: {e}")
+        if a.link_nodes == 2 and a.workers % 2:
+            p.error(f"--link-nodes 2 needs an even --workers (W/2 per node); got {a.workers}")
+    elif a.link_nodes != 1:
+        p.error("--link-nodes needs --link RATE")
     optimizer_list = _split_list(a.optimizers)
     for opt in optimizer_list:
         if opt not in OPTIMIZERS:
@@ -437,25 +471,77 @@ def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "ac
     return out
 
 
-def format_table(summary: List[dict], workers: int) -> str:
-    """The digits Markdown table of the summary (accuracy in percent, mean +- sample std over seeds)."""
+def format_table(summary: List[dict], workers: int, link: Optional[dict] = None) -> str:
+    """The digits Markdown table of the summary (accuracy in percent, mean +- sample std over seeds).
+    With ``link`` (:func:`link_target`'s dict, under ``--link``) four more columns: the mean time
+    to the target accuracy over the seeds that reached it (s), its mean epoch, how many seeds
+    reached it, and the mean wall time of a run (s); and a line saying what the target is."""
     head = ("| codec | scheme | EF | runs | test acc % (mean ± std) | min–max | final loss | packet_ratio | "
             "wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
-    sep = "|" + "---|" * 14
+    ncol = 14
+    if link is not None:
+        goal = "target" if link["target"] is None else f"{link['target']:.2f}%"
+        head += f" time to {goal} s | epoch | reached | run wall s |"
+        ncol += 4
+    sep = "|" + "---|" * ncol
     lines = [head, sep]
     for s in summary:
-        lines.append(
+        line = (
             f"| {s['codec']} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
             f"{s['acc_mean']:.2f} ± {s['acc_std']:.2f} | {s['acc_min']:.2f}–{s['acc_max']:.2f} | "
             f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
             f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
             f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
+        if link is not None:
+            t, e = s.get("time_to_target_s"), s.get("epochs_to_target")
+            line += (f" {'-' if t is None else f'{t:.2f}'} | {'-' if e is None else f'{e:.1f}'} | "
+                     f"{s.get('reached', 0)}/{s['runs']} | {s['wall_s']:.2f} |")
+        lines.append(line)
     lines.append("")
     lines.append(f"W = {workers} gloo workers (CPU). Ratios are totals over all buckets and steps; "
                  f"wire_ratio is against a ring allreduce of the dense buckets (2(W-1)/W x dense bytes). "
                  f"Times are per run, summed over steps, seconds; comm s is launch-to-completion per "
                  f"bucket and overlaps the backward pass.")
+    if link is not None:
+        lines.append("")
+        lines.append(f"Link: {link['description']}. Target accuracy {link['target']:.2f}% = 98% of the mean final "
+                     f"test accuracy of the dense run (codec none, SGD, no error feedback) of this sweep, "
+                     f"{link['dense']:.2f}%; time to target = wall time from a run's start (model build) to the end "
+                     f"of the first epoch whose test accuracy reaches it, per-epoch evaluation excluded, mean over "
+                     f"the seeds that reached it ('-': none did); run wall s = the whole run (mean)."
+                     if link["target"] is not None else
+                     f"Link: {link['description']}. No target accuracy: the sweep has no dense run (codec none, "
+                     f"SGD, no error feedback) to take 98% of.")
     return "\n".join(lines)
+
+
+TARGET_FRACTION = 0.98
+"""Under ``--link``: the target accuracy is this fraction of the dense run's mean final accuracy."""
+
+
+def link_target(rows: List[dict], summary: List[dict], description: str) -> dict:
+    """Under ``--link``: the target accuracy (``TARGET_FRACTION`` of the mean final test accuracy
+    of the SGD runs of codec none without error feedback; None when the sweep has none), each
+    run's ``time_to_target_s`` / ``epochs_to_target`` (None: not reached; from its ``curve``),
+    and per summary group ``time_to_target_s`` / ``epochs_to_target`` (means over the seeds that
+    reached it, None if none did) and ``reached`` (how many did). Rows and groups are updated in
+    place; returns ``{"description", "target" (percent or None), "dense" (percent or None)}``."""
+    from .links import time_to_target
+
+    dense = [r["test_accuracy"] for r in rows
+             if r["codec"] == "none" and r.get("optimizer", "sgd") == "sgd" and not r["error_feedback"]]
+    base = statistics.fmean(dense) if dense else None
+    target = TARGET_FRACTION * base if base is not None else None
+    for r in rows:
+        t, e = time_to_target(r.get("curve", []), target) if target is not None else (None, None)
+        r["time_to_target_s"], r["epochs_to_target"] = t, e
+    for s in summary:
+        mine = [r for r in rows if r["codec"] == s["codec"] and r["error_feedback"] == s["error_feedback"]]
+        hit = [r for r in mine if r["time_to_target_s"] is not None]
+        s["reached"] = len(hit)
+        s["time_to_target_s"] = statistics.fmean(r["time_to_target_s"] for r in hit) if hit else None
+        s["epochs_to_target"] = statistics.fmean(r["epochs_to_target"] for r in hit) if hit else None
+    return {"description": description, "target": target, "dense": base}
 
 
 def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict, params: int,
@@ -617,6 +703,15 @@ def _write(paths: Dict[str, str], table: str, wall: float, columns: List[str], r
         json.dump(js, f, indent=1, default=_json_default)
 
 
+def _describe_link(net, workers: int) -> str:
+    """One line for the tables: the link setup the workers ran behind."""
+    shaped = f"tc tbf at {net.rate}" if net.tbf is not None else "no rate limit"
+    if net.kind == "loopback":
+        return f"{workers} workers on one network namespace's loopback, {shaped} (shared by all ranks)"
+    return (f"two network namespaces of {net.ranks_per_node} workers joined by a veth pair (MTU {net.mtu}), "
+            f"{shaped} in each direction")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``gradcomp-experiment``; returns the exit status."""
     a = parse_args(argv)
@@ -627,6 +722,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..torch.pool import GlooPool
     from . import runner
 
+    link_ctx = contextlib.nullcontext(None)
+    if a.link is not None:
+        from . import links
+
+        ok, why = links.available()
+        if not ok:
+            sys.stderr.write(f"gradcomp-experiment: --link {a.link}: {why}\n")
+            return 2
+        link_ctx = (links.shaped_loopback(a.link) if a.link_nodes == 1
+                    else links.two_nodes(a.link, ranks_per_node=a.workers // 2))
     plans = {"digits": plan_runs(a.digits) if "digits" in a.tasks else [],
              "charlm": plan_charlm_runs(a.charlm) if "charlm" in a.tasks else []}
     corpus = None
@@ -637,16 +742,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     t_all = time.perf_counter()
     results: Dict[str, list] = {}
     walls: Dict[str, float] = {}
-    with tqdm(total=total_runs, desc="runs", unit="run", disable=a.no_progress, position=0) as bar_runs, \
+    link_desc = link_setup = None
+    with link_ctx as net, \
+            tqdm(total=total_runs, desc="runs", unit="run", disable=a.no_progress, position=0) as bar_runs, \
             tqdm(total=1, desc="progress", disable=a.no_progress, position=1, leave=False) as bar_in:
         bar_runs.set_postfix_str(f"starting {a.workers} workers")
-        with GlooPool(a.workers, threads=1) as pool:
+        pool_kw = {}
+        digits_job = runner.train_run
+        if net is not None:
+            pool_kw = {"netns": net.rank_netns(a.workers), "env": net.rank_env(a.workers)}
+            digits_job = links.timed_train_run
+            link_desc, link_setup = _describe_link(net, a.workers), net.describe()
+        with GlooPool(a.workers, threads=1, **pool_kw) as pool:
             for task in a.tasks:
                 t0 = time.perf_counter()
                 if task == "digits":
                     bar_in.set_description("digits epochs")
                     results[task] = _run_sweep(
-                        pool, plans[task], runner.train_run, a.digits.epochs, (bar_runs, bar_in),
+                        pool, plans[task], digits_job, a.digits.epochs, (bar_runs, bar_in),
                         lambda c: f"digits {_setting(c['codec'], c['error_feedback'])} seed {c['seed']}")
                 else:
                     bar_in.set_description("charlm steps")
@@ -668,14 +781,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row = {k: r0[k] for k in CSV_COLUMNS if k in r0}
                 row.update(codec=cfg["codec"], optimizer=cfg["optimizer"], error_feedback=cfg["error_feedback"],
                            seed=cfg["seed"], workers=a.workers, epochs=t.epochs, train_loss=r0["train_loss"])
+                if "curve" in r0:
+                    row["curve"] = r0["curve"]
                 rows.append(row)
             summary = summarize(rows)
-            table = format_table(summary, a.workers)
+            columns, link = CSV_COLUMNS, None
+            if link_desc is not None:
+                link = link_target(rows, summary, link_desc)
+                columns = CSV_COLUMNS + ["time_to_target_s", "epochs_to_target"]
+            table = format_table(summary, a.workers, link)
             if a.notes and any(n.startswith("digits:") for n in a.notes):
                 table += "".join(f"\n\nNote: {n}." for n in a.notes if n.startswith("digits:"))
             config = dict(vars(t), task=task, full=a.full, out=a.out)
-            _write(paths, table, walls[task], CSV_COLUMNS, rows,
-                   {"config": config, "wall_s": walls[task], "runs": rows, "summary": summary})
+            js = {"config": config, "wall_s": walls[task], "runs": rows, "summary": summary}
+            if link is not None:
+                js["link"] = dict(link, rate=a.link, nodes=a.link_nodes, setup=link_setup)
+            _write(paths, table, walls[task], columns, rows, js)
             plot(summary, paths["plot"], a.workers)
         else:
             t = a.charlm
@@ -688,8 +809,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rows.append(row)
             summary = summarize(rows, metric="val_bpc", prefix="bpc")
             params = rows[0]["params"]
-            table = format_charlm_table(summary, t, corpus, params,
-                                        [n for n in a.notes if n.startswith("charlm:")])
+            notes = [n for n in a.notes if n.startswith("charlm:")]
+            if link_desc is not None:
+                notes.append(f"charlm: run behind {link_desc} (the time to a target is reported for digits only)")
+            table = format_charlm_table(summary, t, corpus, params, notes)
             config = dict(vars(t), task=task, full=a.full, out=a.out, params=params)
             _write(paths, table, walls[task], CHARLM_CSV_COLUMNS, rows,
                    {"config": config, "corpus": corpus, "wall_s": walls[task], "runs": rows, "summary": summary})

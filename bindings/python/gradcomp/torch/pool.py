@@ -2,6 +2,11 @@
 experiment harness: spawning a torch process costs seconds, so the pool spawns once and runs many
 jobs.
 
+Ranks may live in other network namespaces (``netns``: each worker enters its namespace with
+setns(2) before the process group starts; :mod:`gradcomp.experiments.links` builds rate-limited
+ones) and get their own environment (``env``, e.g. ``GLOO_SOCKET_IFNAME``); the rendezvous is a
+FileStore in a temporary folder, which every namespace sees.
+
 ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` in every worker (``fn`` must be a
 module-level function, importable by the spawned children) and returns the W return values in
 rank order. A worker may call :func:`report` to send a picklable progress message to the parent's
@@ -19,7 +24,13 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Mapping, Optional, Sequence
+
+CLONE_NEWNET = 0x40000000
+"""setns(2)'s nstype for a network namespace (``<sched.h>``)."""
+
+NETNS_DIR = "/var/run/netns"
+"""Where ``ip netns add NAME`` keeps the namespace ``NAME`` (a bind mount of its nsfs file)."""
 
 _report_q = None
 _rank = None
@@ -31,11 +42,42 @@ def report(msg: Any) -> None:
         _report_q.put(("progress", _rank, msg))
 
 
-def _worker_main(rank, world, init_file, tasks, results, threads, gloo_timeout_s, sys_path):
+def enter_netns(name: str) -> None:
+    """Move the calling thread into the network namespace ``name`` (``/var/run/netns/NAME``) with
+    setns(2) through ctypes (Python 3.11 has no ``os.setns``). Only the calling thread moves;
+    threads it starts afterwards (gloo's) inherit the namespace, so call it before
+    ``init_process_group``. Needs CAP_SYS_ADMIN (root).
+
+    Raises:
+        OSError: the namespace file cannot be opened, or setns failed (errno and name in the
+            message).
+    """
+    import ctypes
+
+    path = os.path.join(NETNS_DIR, name)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}, CLONE_NEWNET) failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _worker_main(rank, world, init_file, tasks, results, threads, gloo_timeout_s, sys_path, netns=None, env=None):
     global _report_q, _rank
     for p in sys_path:
         if p not in sys.path:
             sys.path.append(p)
+    if env:
+        os.environ.update(env)
+    if netns:
+        try:
+            enter_netns(netns)
+        except OSError:
+            results.put(("err", rank, traceback.format_exc()))
+            return
     import torch
     import torch.distributed as dist
 
@@ -68,15 +110,31 @@ class GlooPool:
         threads: ``torch.set_num_threads`` in each worker.
         gloo_timeout_s: collective timeout, so a failed rank does not hang the others forever.
         start_timeout_s: how long to wait for the workers to start.
+        netns: the network namespace of each rank (W names of ``/var/run/netns``, e.g.
+            ``Setup.rank_netns(W)`` of :mod:`gradcomp.experiments.links`), or None (the parent's
+            namespace). A worker enters its namespace (:func:`enter_netns`) before anything
+            else touches the network.
+        env: each rank's extra environment (W dicts of str to str, e.g. ``{"GLOO_SOCKET_IFNAME":
+            "lo"}``), set before torch.distributed starts, or None.
+
+    Raises:
+        ValueError: world_size < 1; ``netns`` / ``env`` not of W entries, a namespace that does
+            not exist, an env entry that is not a dict of strings.
+        RuntimeError: a worker failed to start (its traceback: e.g. setns refused), or the start
+            timed out.
     """
 
     def __init__(self, world_size: int, threads: int = 1, gloo_timeout_s: float = 60.0,
-                 start_timeout_s: float = 180.0):
+                 start_timeout_s: float = 180.0, netns: Optional[Sequence[str]] = None,
+                 env: Optional[Sequence[Mapping[str, str]]] = None):
         import torch.multiprocessing as mp
 
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
+        netns = self._check_netns(netns, world_size)
+        env = self._check_env(env, world_size)
         self.world_size = world_size
+        self.netns = netns
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="gradcomp-pool-")
         init_file = os.path.join(self._dir.name, "init")
@@ -86,7 +144,8 @@ class GlooPool:
         for r in range(world_size):
             p = ctx.Process(target=_worker_main, daemon=True,
                             args=(r, world_size, init_file, self._tasks[r], self._results, threads,
-                                  gloo_timeout_s, list(sys.path)))
+                                  gloo_timeout_s, list(sys.path), netns[r] if netns else None,
+                                  env[r] if env else None))
             p.start()
             self._procs.append(p)
         self.closed = False
@@ -96,6 +155,36 @@ class GlooPool:
             kind, rank, payload = self._get(deadline, "start")
             if kind == "ready":
                 ready += 1
+            elif kind == "err":
+                self.close(force=True)
+                raise RuntimeError(f"GlooPool: worker {rank} failed to start:\n{payload}")
+
+    @staticmethod
+    def _check_netns(netns, world_size: int) -> Optional[List[str]]:
+        if netns is None:
+            return None
+        if isinstance(netns, str) or len(netns) != world_size:
+            raise ValueError(f"GlooPool: netns={netns!r}; accepted: None or a sequence of {world_size} "
+                             f"namespace names (one per rank)")
+        out = [str(n) for n in netns]
+        missing = sorted({n for n in out if not os.path.exists(os.path.join(NETNS_DIR, n))})
+        if missing:
+            raise ValueError(f"GlooPool: network namespace(s) {', '.join(missing)} not found in {NETNS_DIR}")
+        return out
+
+    @staticmethod
+    def _check_env(env, world_size: int) -> Optional[List[dict]]:
+        if env is None:
+            return None
+        if isinstance(env, Mapping) or len(env) != world_size:
+            raise ValueError(f"GlooPool: env={env!r}; accepted: None or a sequence of {world_size} dicts "
+                             f"(one per rank)")
+        out = []
+        for r, e in enumerate(env):
+            if not isinstance(e, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in e.items()):
+                raise ValueError(f"GlooPool: env[{r}]={e!r}; accepted: a dict of str to str")
+            out.append(dict(e))
+        return out
 
     def _get(self, deadline, what):
         while True:

@@ -1,0 +1,713 @@
+"""Measured versus predicted gradient-exchange time on rate-limited links (issue 12, "Measured, not
+only predicted"): the planner's cost model (:mod:`gradcomp.planner`) against gloo ranks whose
+traffic crosses a ``tc`` token-bucket filter on this machine.
+
+Setups (:mod:`gradcomp.experiments.links`; created by this script and removed after, nothing
+leaves the machine; needs root, ``ip`` and ``tc``):
+
+  lo RATE     4 gloo ranks in one network namespace whose loopback carries a tbf at RATE
+              (100mbit, 1gbit, 10gbit): every byte any rank sends crosses that one queue, the
+              planner's ``CostModel.loopback(RATE, alpha)`` (a shared link: W senders, RATE / W each);
+  nodes RATE  two namespaces ("nodes") joined by a veth pair with a tbf at RATE on each end
+              (1gbit, 100mbit), ranks 0, 1 in node A and 2, 3 in node B (their own traffic over
+              the node's unshaped loopback): ``CostModel(Link(inf, alpha, name="lo"),
+              Link(RATE, alpha, per_node=True), local_world_size=2, engine="gloo")``; rows of the
+              ``hierarchical`` scheme when ``gradcomp.torch.compressor.SCHEME_CHOICES`` has it.
+  (lo unlimited: the calibration setup below.)
+
+Models: ``digits`` -- the main job's MLP (``gradcomp.experiments.runner.make_model(256)``: 64-256-
+256-10, 85,002 parameters, DDP ``bucket_cap_mb`` 0.1, batch 48 per rank of the digits data);
+``mlp25m`` -- a synthetic MLP 1024-4096-4096-1024 (25,178,112 parameters, DDP's default 25 MiB
+buckets, batch 8 of normal inputs, loss ||f(x) - x||^2). The gradient buckets of each model are
+the ones DDP builds (read from the gradcomp hook's ``stats()`` after DDP's bucket rebuild, on the
+calibration setup), so the direct measurement and the DDP step reduce the same buckets.
+
+Codecs: ``none`` (scheme dense: PyTorch's allreduce_hook), ``fp16`` (sum), ``topk:ratio=0.01``
+(gather) and the quantizers registered (``gradcomp.codecs()`` minus linear and sparse ones: fp8,
+int8, int4, onebit; two_phase), all with error feedback except none, every bucket compressed
+(``min_compress_numel=0``, as the experiment harness). The scheme each bucket took is read from
+the compressor's stats and the prediction uses the same one.
+
+Calibration, once per run, on an unshaped loopback namespace (stated in the output): gloo's
+per-message latency alpha = median time of a 1-element float32 allreduce over the 4 ranks / (2
+(W - 1)) (the planner's allreduce has 2 (W-1) messages; median over --alpha-reps calls, each the
+mean over ranks); the DDP bucket layouts; and the compute time of a DDP step with PyTorch's
+``noop_hook`` (forward + backward + SGD step, no communication; 4 ranks computing at once).
+
+Per row (setup x model x codec [x scheme]):
+  comm   the model's buckets reduced through ``gradcomp.torch.Compressor.allreduce`` one at a
+         time, each waited (bucket contents: fixed normal values per rank, restored before each
+         step outside the timing); per step and rank the compressor's stats split the time into
+         ``comm_s`` (collectives, launch to completion), ``encode_s`` and ``decode_s``. Every
+         collective begins after a ``dist.barrier()`` (:class:`AlignedProbe`, wrapped around the
+         compressor's probes), so all ranks launch it together: without it, 4 ranks sharing 2 cores finish their encodes up to
+         ~100 ms apart and ``comm_s`` would hold the wait for the last rank (rank mean) or miss
+         the traffic that flowed before it arrived (rank min). The measured comm per step is the
+         sum over buckets of the mean over ranks, then the median over --steps steps (after
+         --warmup steps); the JSON also has the min and max over ranks. Predicted: the sum over
+         buckets of ``CostModel.predict(scheme, codec, numel, dtype, 4, inner)["comm_s"]``. ratio
+         = measured / predicted; "yes" when |ratio - 1| <= 0.15 (not judged on the unshaped
+         setups, where the link is not what is modelled: their rows are the "floor" of the
+         shaped rows of the same kind, model, codec and scheme: gloo's own time on this CPU).
+         The token bucket lends an idle link's unused bytes, up to its burst: the JSON's
+         ``tbf_credit_ms`` = comm phases per step x burst / rate bounds how much faster than the
+         modelled link a step can be (:mod:`gradcomp.experiments.links`).
+  bytes  tc's "Sent N bytes" counter of the shaped devices, read before and after the measured
+         steps (a timing-free check of the byte formulas), beside the predicted bytes: lo, the sum
+         over ranks of the bytes each sends (W x the planner's per-rank bytes); nodes, the bytes
+         that leave a node (both veth directions): gloo's rings run rank r -> r + 1, so a flat
+         allreduce or all-gather crosses each direction once (one rank's bytes per direction),
+         an all-to-all sends L (W - L) of its W (W - 1) slots across, and hierarchical's cross-
+         node step sends every rank's inter-node bytes across. tc counts IP/TCP headers and ACKs
+         (~0.2 % at these MTUs) and gloo's own message headers; the alignment barriers' bytes
+         (measured once per setup over 200 barriers) are taken off.
+  ddp    the DDP step (zero_grad, forward, backward with the gradcomp hook, SGD step; a barrier
+         before each step; the step's time is the max over ranks; median over steps), beside
+         predicted = compute (the calibration's noop-hook step) + predicted comm + the encode /
+         decode time measured in this row's comm run (kernels do not depend on the link; the
+         planner's CPU kernel estimates are in the JSON as ``pred_kernel_ms``). Informative:
+         DDP overlaps communication with backward and adds its own work.
+
+Time bounds: a row whose predicted time would exceed --row-limit-s (default 60 s) runs fewer
+steps (at least 2 measured, the warm-up dropped first) or is skipped (listed, with the predicted
+step time); rows left when --budget-s (default 1800 s) is spent are skipped (listed). mlp25m at
+100mbit: dense and fp16 predict ~48 s / ~24 s per step on the shared loopback and are skipped by
+this rule; the compressed codecs run.
+
+Usage (root):
+  python bench/slow_link.py [--quick] [--out results/slow_link] [--setups lo:1gbit,nodes:1gbit]
+      [--models digits,mlp25m] [--codecs 'none;fp16;topk:ratio=0.01;int8'] [--steps 5] [--warmup 2]
+      [--row-limit-s 60] [--budget-s 1800] [--no-ddp]
+--quick: lo:1gbit and nodes:1gbit, digits only (plus mlp25m with topk and int4 at lo:1gbit),
+codecs none, fp16, topk:ratio=0.01, int8; 3 steps. Writes ``--out``/slow_link.json and
+``--out``/slow_link.md (the tables). Exit status 0; 2 when the links cannot be built here (the
+reason is printed).
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+W = 4
+L = 2  # ranks per node in the two-node setup
+TOLERANCE = 0.15
+LONG_STEP_S = 10.0  # a row whose step is predicted longer may run a single measured step
+SETUPS = ("lo:unlimited", "lo:100mbit", "lo:1gbit", "lo:10gbit", "nodes:unlimited", "nodes:1gbit", "nodes:100mbit")
+QUICK_SETUPS = ("lo:unlimited", "lo:1gbit", "nodes:1gbit")
+MODELS = {
+    "digits": {"bucket_cap_mb": 0.1, "batch": 48, "steps": 5, "warmup": 2, "ddp_steps": 5, "ddp_warmup": 2},
+    "mlp25m": {"bucket_cap_mb": 25.0, "batch": 8, "steps": 3, "warmup": 1, "ddp_steps": 2, "ddp_warmup": 0},
+}
+"""Per model: DDP bucket_cap_mb, batch per rank, measured / warm-up steps of the comm rows, and of
+the DDP rows (``ddp_warmup`` warm-up steps beyond the one every DDP run takes: DDP rebuilds its
+buckets after step 1)."""
+
+
+# ==============================================================================================
+# worker side (pool jobs: module-level, run in every rank)
+# ==============================================================================================
+
+_STATE = {}
+
+
+def build_model(name):
+    """``(model, batch(step, rank) -> loss_fn(module))`` of a model name (same init everywhere)."""
+    import torch
+
+    torch.manual_seed(0)
+    if name == "digits":
+        from gradcomp.experiments import runner
+
+        model = runner.make_model(256)
+        xtr, ytr, _, _ = runner.load_data()
+        bs = MODELS["digits"]["batch"]
+
+        def batch(step, rank):
+            i = ((step * W + rank) * bs) % (xtr.shape[0] - bs)
+            x, y = xtr[i: i + bs], ytr[i: i + bs]
+            return lambda m: torch.nn.functional.cross_entropy(m(x), y)
+        return model, batch
+    if name == "mlp25m":
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
+                                    torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
+        bs = MODELS["mlp25m"]["batch"]
+
+        def batch(step, rank):
+            x = torch.randn(bs, 1024, generator=torch.Generator().manual_seed(step * 31 + rank))
+            return lambda m: (m(x) - x).square().mean()
+        return model, batch
+    raise ValueError(f"slow_link: model {name!r}; accepted: {', '.join(MODELS)}")
+
+
+def job_alpha(rank, world, reps, numel=1):
+    """Times of ``reps`` allreduces of ``numel`` float32 elements (s), after 20 warm-up calls."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(numel)
+    for _ in range(20):
+        dist.all_reduce(x)
+    dist.barrier()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        ts.append(time.perf_counter() - t0)
+    return ts
+
+
+def job_ddp(rank, world, model_name, codec, scheme, ef, warmup, steps, local_world_size=0):
+    """DDP steps of ``model_name``: with PyTorch's noop_hook (``codec=None``: compute only) or
+    the gradcomp hook. Returns per-step seconds (max over ranks) and, for the gradcomp hook, the
+    buckets of the last step ``[(numel, dtype, scheme, inner)]``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
+
+    import gradcomp
+    import gradcomp.torch as gt
+
+    gradcomp.set_num_threads(1)
+    model, batch = build_model(model_name)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=MODELS[model_name]["bucket_cap_mb"])
+    state = None
+    if codec is None:
+        ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+    else:
+        kw = {"local_world_size": local_world_size} if scheme == "hierarchical" else {}
+        state = gt.register(ddp, codec=codec, scheme=scheme, error_feedback=ef, min_compress_numel=0, start_iter=0,
+                            **kw)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    times = []
+    for s in range(warmup + steps):
+        loss_fn = batch(s, rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss_fn(ddp).backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if s >= warmup:
+            times.append(dt)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out = {"times": t.tolist(), "numel": sum(p.numel() for p in model.parameters())}
+    if state is not None:
+        out["buckets"] = [(int(b["numel"]), b["dtype"], b["scheme"], b.get("inner", ""))
+                          for b in state.stats()["buckets"]]
+    return out
+
+
+class AlignedProbe:
+    """A compressor probe (``gradcomp.schemes.NullProbe``'s interface) around the real one, made
+    per bucket call, that starts every collective after a ``dist.barrier()``: a ``clock()`` that
+    opens a communication phase -- the first of the call (dense's allreduce, hierarchical's
+    intra-node step; for the encoding schemes their first encode, harmless) or the first after an
+    encode (the collective that sends what was encoded) -- waits in a barrier first, so every
+    rank launches the collective together (within the barrier's exit skew) and its ``comm_s`` is
+    the collective itself, not the wait for a rank still encoding. The other clocks (decodes,
+    re-encodes, completion callbacks) do not wait. The rule depends only on the order of the
+    probe's own events, the same on every rank, so every rank takes the same barriers; a clock
+    outside the main thread never waits (a completion callback may run inline on one rank and in
+    gloo's thread on another). Counts the barriers and the comm phases in ``counts``."""
+
+    def __init__(self, probe, counts):
+        self._p, self._c = probe, counts
+        self._last = None  # the field of the last tock
+
+    def clock(self):
+        import threading
+
+        import torch.distributed as dist
+
+        if self._last in (None, "encode_s") and threading.current_thread() is threading.main_thread():
+            dist.barrier()
+            self._c["barriers"] += 1
+        return self._p.clock()
+
+    def tock(self, field, start):
+        self._last = field
+        if field == "comm_s":
+            self._c["comm_phases"] += 1
+        self._p.tock(field, start)
+
+    def decoded(self, workspace):
+        self._p.decoded(workspace)
+
+
+def job_barrier_bytes(rank, world, n):
+    """``n`` barriers (the parent reads the qdisc counters around them)."""
+    import torch.distributed as dist
+
+    for _ in range(n):
+        dist.barrier()
+
+
+def job_comm_prepare(rank, world, buckets, codec, scheme, ef, warmup, local_world_size=0):
+    """Build a Compressor whose probes are :class:`AlignedProbe`, and the bucket tensors (normal
+    values, seed per rank and bucket); run ``warmup`` steps, then a barrier. The state stays in
+    this worker for :func:`job_comm_measure`."""
+    import torch
+    import torch.distributed as dist
+
+    import gradcomp
+    from gradcomp.torch import Compressor
+
+    gradcomp.set_num_threads(1)
+    kw = {"local_world_size": local_world_size} if scheme == "hierarchical" else {}
+    comp = Compressor(codec, scheme=scheme, error_feedback=ef, min_compress_numel=0, **kw)
+    counts = {"barriers": 0, "comm_phases": 0}
+    stats = comp._stats  # the compressor's step records: its probes come from here
+    real_probe = stats.probe
+    stats.probe = lambda *args, **kwargs: AlignedProbe(real_probe(*args, **kwargs), counts)
+    orig, bufs = [], []
+    for i, (n, dt) in enumerate(buckets):
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        x = (torch.randn(n, generator=g) * 1e-2).to(getattr(torch, dt))
+        orig.append(x)
+        bufs.append(x.clone())
+    _STATE.clear()
+    _STATE.update(comp=comp, orig=orig, bufs=bufs, counts=counts)
+    for _ in range(warmup):
+        _comm_step()
+    dist.barrier()
+    return None
+
+
+def _comm_step():
+    comp, orig, bufs, counts = _STATE["comp"], _STATE["orig"], _STATE["bufs"], _STATE["counts"]
+    for b, o in zip(bufs, orig):
+        b.copy_(o)
+    c0 = dict(counts)
+    t0 = time.perf_counter()
+    for i, b in enumerate(bufs):
+        comp.allreduce(b, f"bucket{i}").wait()
+    wall = time.perf_counter() - t0
+    comp.end_step()
+    st = comp.stats()
+    return {"wall_s": wall, "barriers": counts["barriers"] - c0["barriers"],
+            "comm_phases": counts["comm_phases"] - c0["comm_phases"],
+            "buckets": [(int(b["numel"]), b["dtype"], b["scheme"], b.get("inner", "")) for b in st["buckets"]],
+            "times": [(b.get("comm_s", 0.0), b.get("encode_s", 0.0), b.get("decode_s", 0.0)) for b in st["buckets"]]}
+
+
+def job_comm_measure(rank, world, steps):
+    """``steps`` timed steps of the prepared compressor; per step the stats split."""
+    out = [_comm_step() for _ in range(steps)]
+    return out
+
+
+def job_release(rank, world):
+    _STATE.clear()
+    import gc
+
+    gc.collect()
+    return None
+
+
+# ==============================================================================================
+# parent side
+# ==============================================================================================
+
+def codec_list(quick):
+    """none, fp16, topk:ratio=0.01 and the registered quantizers (non-linear, non-sparse
+    families: their first example spec)."""
+    import gradcomp
+
+    base = ["none", "fp16", "topk:ratio=0.01"]
+    quant = [c["examples"][0] for c in gradcomp.codecs()
+             if not c["properties"].get("linear") and not c["properties"].get("sparse")]
+    if quick:
+        return base + [q for q in quant if q.startswith("int8")][:1]
+    return base + quant
+
+
+def parse_setup(text):
+    kind, _, rate = text.partition(":")
+    if kind not in ("lo", "nodes") or not rate:
+        raise ValueError(f"slow_link: setup {text!r}; accepted: lo:RATE or nodes:RATE (e.g. lo:1gbit)")
+    from gradcomp.experiments import links
+
+    links.parse_rate(rate)  # raises with the accepted forms
+    return kind, rate
+
+
+def cost_model(kind, rate, alpha):
+    from gradcomp import planner
+
+    tp = planner.Throughput(device="cpu")
+    if kind == "lo":
+        return planner.CostModel.loopback(rate, latency_s=alpha, throughput=tp)
+    return planner.CostModel(planner.Link(float("inf"), alpha, name="lo"),
+                             planner.Link(planner.parse_rate(rate), alpha, per_node=True, name=f"veth {rate}"),
+                             local_world_size=L, throughput=tp, engine="gloo")
+
+
+def predict_buckets(model, codec, buckets, kind):
+    """Sum over buckets ``[(numel, dtype, scheme, inner)]`` of the planner's prediction: comm_s,
+    encode_s, decode_s (seconds per step) and the bytes tc should count per step (see the module
+    docstring)."""
+    from gradcomp import planner
+
+    tot = {"comm_s": 0.0, "encode_s": 0.0, "decode_s": 0.0, "wire_bytes": 0.0}
+    for n, dt, scheme, inner in buckets:
+        p = model.predict(scheme, codec, n, dt, W, inner)
+        for k in ("comm_s", "encode_s", "decode_s"):
+            tot[k] += p[k]
+        if kind == "lo":
+            tot["wire_bytes"] += W * (p["bytes"]["intra"] + p["bytes"]["inter"])
+        elif scheme == "hierarchical":
+            tot["wire_bytes"] += W * p["bytes"]["inter"]
+        else:
+            nodes = W // L
+            for _, k, _, _, sent in planner.scheme_steps(scheme, codec, n, dt, W):
+                per_dir = sent * (L * (W - L) / (W - 1) if k == "all_to_all" else 1.0)
+                tot["wire_bytes"] += nodes * per_dir
+    return tot
+
+
+class Bench:
+    """Rows, skips and the time budget of one bench run."""
+
+    def __init__(self, a):
+        self.a = a
+        self.t0 = time.perf_counter()
+        self.rows = []
+        self.skipped = []
+        self.floors = {}  # (kind, model, codec, scheme) -> measured comm s on the unshaped setup
+        self.barrier_bytes = {}  # setup -> {"bytes", "packets"} of one barrier through its qdiscs
+
+    def left(self):
+        return self.a.budget_s - (time.perf_counter() - self.t0)
+
+    def log(self, msg):
+        print(f"[{time.perf_counter() - self.t0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    def fit(self, per_step_s, warmup, steps, limit_s, min_steps=None):
+        """(warmup, steps) that fit ``limit_s`` and the budget at ``per_step_s`` seconds per
+        step, or None: the warm-up goes first, then steps down to ``min_steps`` (default 2; 1
+        for steps predicted over :data:`LONG_STEP_S`, whose single transfer already averages)."""
+        if min_steps is None:
+            min_steps = 1 if per_step_s > LONG_STEP_S else 2
+        limit = min(limit_s, self.left())
+        while (warmup + steps) * per_step_s > limit:
+            if warmup > 0:
+                warmup -= 1
+            elif steps > min_steps:
+                steps -= 1
+            else:
+                return None
+        return warmup, steps
+
+
+def run_setup(bench, kind, rate, calib, codecs, models, hier):
+    """One setup: its namespace(s), a pool of W ranks inside, every (model, codec, scheme) row."""
+    from gradcomp import Codec
+    from gradcomp.experiments import links
+    from gradcomp.torch.pool import GlooPool
+
+    ctx = links.shaped_loopback(rate) if kind == "lo" else links.two_nodes(rate, ranks_per_node=L)
+    model = cost_model(kind, rate, calib["alpha_s"])
+    with ctx as net:
+        bench.log(f"setup {kind}:{rate}: namespaces {net.namespaces}, tbf {net.tbf}")
+        with GlooPool(W, threads=1, gloo_timeout_s=600, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
+            net_calib = {"bytes": 0.0, "packets": 0.0}
+            if net.tbf is not None:  # bytes and packets of one barrier through the shaped devices
+                nb = 200
+                pool.run(job_barrier_bytes, 5)
+                q0 = net.qdisc_stats()
+                pool.run(job_barrier_bytes, nb)
+                q1 = net.qdisc_stats()
+                net_calib = {k: (sum(x[k] for x in q1) - sum(x[k] for x in q0)) / nb for k in ("bytes", "packets")}
+                bench.log(f"  one barrier: {net_calib['bytes']:.0f} B in {net_calib['packets']:.1f} packets")
+            bench.barrier_bytes[f"{kind}:{rate}"] = net_calib
+            for mname, spec in ((m, c) for m in models for c in codecs[m]):
+                schemes = ["dense" if spec == "none" else "auto"]
+                if kind == "nodes" and hier:
+                    schemes.append("hierarchical")
+                for scheme in schemes:
+                    row = run_row(bench, pool, net, net_calib, model, kind, rate, mname, Codec(spec), scheme, calib)
+                    if row is not None:
+                        bench.rows.append(row)
+                        print(fmt_row(row), flush=True)
+
+
+def run_row(bench, pool, net, net_calib, model, kind, rate, mname, codec, scheme, calib):
+    """Measure one row (see the module docstring); None when it is skipped."""
+    from gradcomp import planner
+
+    a = bench.a
+    mc = MODELS[mname]
+    layout = calib["layouts"][mname]
+    ef = codec.spec != "none"
+    setup = f"{kind}:{rate}"
+    label = f"{setup} {mname} {codec.spec} {scheme}"
+    lw = L if scheme == "hierarchical" else 0
+    # the schemes the compressor will take, predicted before running to size the row
+    pre = []
+    for n, dt in layout:
+        sc = planner.choose_scheme(codec, n, dt, W, scheme, 0)
+        inner = planner.hierarchical_inner(codec, n, dt, W, L, "auto", 0) if sc == "hierarchical" else ""
+        pre.append((n, dt, sc, inner))
+    guess = predict_buckets(model, codec, pre, kind)
+    # the planner's CPU kernel estimate, doubled, and the engine floor when known, for sizing only
+    floor = bench.floors.get((kind, mname, codec.spec, scheme), 0.0)
+    per_step = max(guess["comm_s"], floor) + 2.0 * (guess["encode_s"] + guess["decode_s"]) + 0.01
+    fit = bench.fit(per_step, a.warmup if a.warmup is not None else mc["warmup"],
+                    a.steps if a.steps is not None else mc["steps"], a.row_limit_s)
+    if fit is None:
+        need = per_step * (1 if per_step > LONG_STEP_S else 2)
+        why = (f"predicted {per_step:.1f} s per step: the fewest steps ({need:.0f} s) exceed the row limit of "
+               f"{a.row_limit_s:g} s" if need > a.row_limit_s else f"time budget spent ({bench.left():.0f} s left)")
+        bench.skipped.append({"row": label, "why": why})
+        bench.log(f"skip {label}: {why}")
+        return None
+    warmup, steps = fit
+    bench.log(f"row {label}: {warmup} warm-up + {steps} steps (about {per_step:.2f} s per step)")
+    t_row = time.perf_counter()
+    tmo = 120 + 4 * (warmup + steps) * per_step
+    pool.run(job_comm_prepare, layout, codec.spec, scheme, ef, warmup, lw, timeout=tmo)
+    q0 = net.qdisc_stats()
+    res = pool.run(job_comm_measure, steps, timeout=tmo)
+    q1 = net.qdisc_stats()
+    pool.run(job_release)
+    buckets = res[0][0]["buckets"]
+    nb = len(buckets)
+    pred = predict_buckets(model, codec, buckets, kind)
+
+    def per_step_values(f):
+        return [f(s) for s in range(steps)]
+
+    # per step: sum over buckets of the mean over ranks of comm_s (each collective started after
+    # a barrier: AlignedProbe), the spread over ranks, and the kernels (mean over ranks)
+    comm_mean = per_step_values(lambda s: sum(statistics.fmean(r[s]["times"][b][0] for r in res) for b in range(nb)))
+    comm_min = per_step_values(lambda s: sum(min(r[s]["times"][b][0] for r in res) for b in range(nb)))
+    comm_max = per_step_values(lambda s: sum(max(r[s]["times"][b][0] for r in res) for b in range(nb)))
+    kern = per_step_values(lambda s: sum(statistics.fmean(r[s]["times"][b][1] + r[s]["times"][b][2] for r in res)
+                                         for b in range(nb)))
+    wall = per_step_values(lambda s: statistics.fmean(r[s]["wall_s"] for r in res))
+    comm = statistics.median(comm_mean)
+    barriers = res[0][0]["barriers"]
+    phases = res[0][0]["comm_phases"]
+    d = {k: sum(x[k] for x in q1) - sum(x[k] for x in q0) for k in ("bytes", "packets", "dropped")} if q0 else None
+    if d is not None:  # the alignment barriers' own packets, measured on this setup
+        d["bytes"] -= steps * barriers * net_calib["bytes"]
+        d["packets"] -= steps * barriers * net_calib["packets"]
+    shaped = net.tbf is not None
+    ratio = comm / pred["comm_s"] if pred["comm_s"] > 0 else float("nan")
+    row = {"setup": setup, "kind": kind, "rate": rate, "model": mname, "codec": codec.spec,
+           "scheme_requested": scheme,
+           "scheme": "+".join(sorted({b[2] + (f"({b[3]})" if b[3] else "") for b in buckets})),
+           "buckets": [list(b) for b in buckets], "warmup": warmup, "steps": steps,
+           "meas_comm_ms": 1e3 * comm, "meas_comm_min_ms": 1e3 * statistics.median(comm_min),
+           "meas_comm_max_ms": 1e3 * statistics.median(comm_max),
+           "comm_per_step_ms": [1e3 * c for c in comm_mean], "barriers_per_step": barriers,
+           "comm_phases_per_step": phases,
+           "tbf_credit_ms": (1e3 * phases * net.tbf["burst_bytes"] / net.tbf["bytes_per_s"] if net.tbf else 0.0),
+           "pred_comm_ms": 1e3 * pred["comm_s"], "ratio": ratio,
+           "within": bool(abs(ratio - 1.0) <= TOLERANCE) if shaped else None,
+           "meas_kernel_ms": 1e3 * statistics.median(kern), "pred_kernel_ms": 1e3 * (pred["encode_s"] + pred["decode_s"]),
+           "meas_wall_ms": 1e3 * statistics.median(wall), "pred_bytes": pred["wire_bytes"]}
+    if d is not None:
+        row.update(qdisc_bytes=d["bytes"] / steps, qdisc_packets=d["packets"] / steps, qdisc_dropped=d["dropped"],
+                   bytes_ratio=(d["bytes"] / steps) / pred["wire_bytes"] if pred["wire_bytes"] else float("nan"),
+                   payload_ratio=((d["bytes"] - HEADER_BYTES * d["packets"]) / steps) / pred["wire_bytes"]
+                   if pred["wire_bytes"] else float("nan"))
+    if not shaped:
+        bench.floors[(kind, mname, codec.spec, scheme)] = comm
+    else:
+        fl = bench.floors.get((kind, mname, codec.spec, scheme))
+        if fl is not None:
+            row["floor_ms"] = 1e3 * fl
+            row["ratio_pred_plus_floor"] = comm / (pred["comm_s"] + fl)
+    if not a.no_ddp:
+        comp_s = calib["compute_s"][mname]
+        ddp_pred = comp_s + pred["comm_s"] + statistics.median(kern)
+        guess_ddp = comp_s + max(pred["comm_s"], floor) + statistics.median(kern) + 0.02
+        left = a.row_limit_s - (time.perf_counter() - t_row)
+        dfit = bench.fit(guess_ddp, mc["ddp_warmup"], mc["ddp_steps"], left - guess_ddp, min_steps=1)
+        if dfit is None:
+            row["ddp_skipped"] = (f"1 warm-up + 1 DDP step (about {guess_ddp:.1f} s each) do not fit the "
+                                  f"{max(left, 0):.0f} s left of the row limit / budget")
+            bench.log(f"  DDP of {label} skipped: {row['ddp_skipped']}")
+        else:
+            dw, ds = dfit[0] + 1, dfit[1]  # one warm-up at least (DDP rebuilds its buckets after step 1)
+            out = pool.run(job_ddp, mname, codec.spec, scheme, ef, dw, ds, lw, timeout=120 + 4 * (dw + ds) * guess_ddp)
+            meas = statistics.median(out[0]["times"])
+            row.update(ddp_meas_ms=1e3 * meas, ddp_pred_ms=1e3 * ddp_pred, ddp_ratio=meas / ddp_pred,
+                       ddp_compute_ms=1e3 * comp_s, ddp_steps=ds, ddp_warmup=dw,
+                       ddp_buckets=[list(b) for b in out[0].get("buckets", [])])
+    row["row_s"] = time.perf_counter() - t_row
+    return row
+
+
+HEADER_BYTES = 66
+"""Bytes tc counts per packet beyond the TCP payload: Ethernet 14 (loopback and veth both carry
+one), IPv4 20, TCP with timestamps 32."""
+
+
+def calibrate(bench, models):
+    """alpha, the DDP bucket layouts and the compute times, on an unshaped loopback namespace."""
+    from gradcomp.experiments import links
+    from gradcomp.torch.pool import GlooPool
+
+    a = bench.a
+    out = {"layouts": {}, "compute_s": {}, "params": {}}
+    with links.shaped_loopback("unlimited") as net:
+        with GlooPool(W, threads=1, gloo_timeout_s=600, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
+            for n, key in ((1, "tiny_allreduce_s"), (16 * W, "allreduce_64_s")):
+                ts = pool.run(job_alpha, a.alpha_reps, n)
+                out[key] = statistics.median(statistics.fmean(t[i] for t in ts) for i in range(a.alpha_reps))
+            out["alpha_s"] = out["tiny_allreduce_s"] / (2 * (W - 1))
+            bench.log(f"alpha = {1e6 * out['alpha_s']:.1f} us (1-element allreduce {1e6 * out['tiny_allreduce_s']:.1f} "
+                      f"us, median of {a.alpha_reps}; {16 * W}-element allreduce {1e6 * out['allreduce_64_s']:.1f} us)")
+            for m in models:
+                r = pool.run(job_ddp, m, "none", "dense", False, 2, 1, timeout=600)
+                out["layouts"][m] = [(n, dt) for n, dt, _, _ in r[0]["buckets"]]
+                out["params"][m] = r[0]["numel"]
+                c = pool.run(job_ddp, m, None, None, False, 2, 5 if m == "digits" else 3, timeout=600)
+                out["compute_s"][m] = statistics.median(c[0]["times"])
+                bench.log(f"{m}: {r[0]['numel']} parameters, DDP buckets {out['layouts'][m]}, compute "
+                          f"{1e3 * out['compute_s'][m]:.1f} ms per DDP step (noop hook)")
+    return out
+
+
+HEAD = ("| setup | model | codec | scheme | steps | comm meas ms | comm pred ms | ratio | within 15% | "
+        "floor ms | meas/(pred+floor) | tbf credit ms | kernels ms | tc MB/step | pred MB/step | bytes ratio | payload ratio | "
+        "drops | DDP meas ms | DDP pred ms | DDP ratio |")
+NCOLS = HEAD.count("|") - 1
+
+
+def _f(v, fmt):
+    return "-" if v is None or isinstance(v, float) and math.isnan(v) else format(v, fmt)
+
+
+def fmt_row(r):
+    within = "n/a (unshaped)" if r["within"] is None else ("yes" if r["within"] else "NO")
+    return (f"| {r['setup']} | {r['model']} | {r['codec']} | {r['scheme']} | {r['steps']} | "
+            f"{r['meas_comm_ms']:.2f} | {r['pred_comm_ms']:.2f} | {_f(r['ratio'], '.3f')} | {within} | "
+            f"{_f(r.get('floor_ms'), '.2f')} | {_f(r.get('ratio_pred_plus_floor'), '.3f')} | "
+            f"{r['tbf_credit_ms']:.1f} | "
+            f"{r['meas_kernel_ms']:.2f} | {_f(r.get('qdisc_bytes', None) and r['qdisc_bytes'] / 1e6, '.4f')} | "
+            f"{r['pred_bytes'] / 1e6:.4f} | {_f(r.get('bytes_ratio'), '.4f')} | {_f(r.get('payload_ratio'), '.4f')} | "
+            f"{_f(r.get('qdisc_dropped'), 'd')} | {_f(r.get('ddp_meas_ms'), '.1f')} | {_f(r.get('ddp_pred_ms'), '.1f')} | "
+            f"{_f(r.get('ddp_ratio'), '.2f')} |")
+
+
+def _clean(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a short subset (see the docstring)")
+    ap.add_argument("--out", default="results/slow_link", help="output folder (default results/slow_link)")
+    ap.add_argument("--setups", default=None, help="comma-separated lo:RATE / nodes:RATE (default: "
+                    + ",".join(SETUPS) + ")")
+    ap.add_argument("--models", default=None, help="comma-separated: digits, mlp25m (default both)")
+    ap.add_argument("--codecs", default=None, help="';'-separated codec specs (default: none, fp16, "
+                    "topk:ratio=0.01 and the registered quantizers)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per row (default: digits 5, mlp25m 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (default: digits 2, mlp25m 1)")
+    ap.add_argument("--alpha-reps", type=int, default=300, help="tiny allreduces timed for alpha (300)")
+    ap.add_argument("--row-limit-s", type=float, default=60.0, help="seconds one row may take (60)")
+    ap.add_argument("--budget-s", type=float, default=1800.0, help="seconds for the whole bench (1800)")
+    ap.add_argument("--no-ddp", action="store_true", help="skip the DDP step measurements")
+    a = ap.parse_args(argv)
+    if a.steps is not None and a.steps < 1 or a.warmup is not None and a.warmup < 0 or a.alpha_reps < 1:
+        ap.error("--steps and --alpha-reps must be >= 1, --warmup >= 0")
+    if a.quick:
+        a.steps = a.steps or 3
+        a.warmup = 1 if a.warmup is None else a.warmup
+    try:
+        setups = [parse_setup(x.strip()) for x in (a.setups.split(",") if a.setups else
+                                                    (QUICK_SETUPS if a.quick else SETUPS)) if x.strip()]
+    except ValueError as e:
+        ap.error(str(e))
+    models = [m.strip() for m in a.models.split(",")] if a.models else (["digits"] if a.quick else list(MODELS))
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"--models: {m!r}; accepted: {', '.join(MODELS)}")
+    from gradcomp import Codec
+    from gradcomp.experiments import links
+    from gradcomp.torch import compressor
+
+    codecs = [c.strip() for c in a.codecs.split(";") if c.strip()] if a.codecs else codec_list(a.quick)
+    for c in codecs:
+        try:
+            Codec(c)
+        except Exception as e:  # noqa: BLE001 - the codec's own message
+            ap.error(f"--codecs: {c!r}: {e}")
+    ok, why = links.available()
+    if not ok:
+        print(f"slow_link: cannot build the shaped links here: {why}", file=sys.stderr)
+        return 2
+    hier = "hierarchical" in compressor.SCHEME_CHOICES
+    per_model = {m: list(codecs) for m in models}
+    if a.quick and "mlp25m" not in per_model:
+        per_model["mlp25m"] = ["topk:ratio=0.01", "int4"]
+    bench = Bench(a)
+    calib = calibrate(bench, sorted(per_model))
+    tbf = {r: links.tbf_params(r) for _, r in setups}
+    preamble = [
+        f"# slow_link: W = {W} gloo ranks (one thread each) on {os.cpu_count()} cores. alpha = "
+        f"{1e6 * calib['alpha_s']:.1f} us per message, calibrated once: a 1-element float32 allreduce on the unshaped "
+        f"loopback takes {1e6 * calib['tiny_allreduce_s']:.1f} us = 2 (W-1) alpha (median of {a.alpha_reps}); a "
+        f"{16 * W}-element one takes {1e6 * calib['allreduce_64_s']:.1f} us.",
+        "# tbf per shaped device: " + "; ".join(
+            f"{r}: rate {t['rate_bits_per_s']} bit/s, burst {t['burst_bytes']} B, limit {t['limit_bytes']} B (HZ {t['hz']})"
+            for r, t in tbf.items() if t),
+        "# compute per DDP step (noop hook, unshaped): " + ", ".join(
+            f"{m} {1e3 * v:.1f} ms" for m, v in calib["compute_s"].items()),
+        "# comm meas = median over steps of the sum over buckets of the compressor's comm_s (mean over ranks), every "
+        "collective started after a barrier; floor = the same row measured on the unshaped setup of the same kind; "
+        "tbf credit = comm phases per step x burst / rate, the most a token bucket can lend an idle link; "
+        "bytes: tc's Sent bytes per step (the alignment barriers' taken off) vs the planner's; payload ratio takes "
+        "66 B per packet off first.",
+    ]
+    if not hier:
+        preamble.append("# hierarchical rows missing: 'hierarchical' is not in gradcomp.torch.compressor.SCHEME_CHOICES")
+    print("\n".join(preamble))
+    print(HEAD)
+    print("|" + "---|" * NCOLS, flush=True)
+    try:
+        for kind, rate in setups:
+            run_setup(bench, kind, rate, calib, per_model, [m for m in MODELS if m in per_model], hier)
+    except KeyboardInterrupt:
+        bench.log("interrupted: writing what was measured")
+    wall = time.perf_counter() - bench.t0
+    os.makedirs(a.out, exist_ok=True)
+    shaped = [r for r in bench.rows if r["within"] is not None]
+    summary = (f"{sum(r['within'] for r in shaped)} of {len(shaped)} shaped rows within 15 %; "
+               f"{len(bench.rows) - len(shaped)} unshaped (floor) rows; {len(bench.skipped)} skipped; {wall:.0f} s")
+    skipped = [f"- skipped {x['row']}: {x['why']}" for x in bench.skipped]
+    lines = preamble + ["", HEAD, "|" + "---|" * NCOLS] + [fmt_row(r) for r in bench.rows] + ["", summary] + skipped
+    with open(os.path.join(a.out, "slow_link.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(a.out, "slow_link.json"), "w") as f:
+        json.dump(_clean({"config": {"world_size": W, "ranks_per_node": L, "tolerance": TOLERANCE,
+                                     "calibration": calib, "tbf": tbf, "args": vars(a), "hierarchical": hier,
+                                     "barrier_bytes": bench.barrier_bytes,
+                                     "header_bytes_per_packet": HEADER_BYTES},
+                          "rows": bench.rows, "skipped": bench.skipped, "wall_s": wall}), f, indent=1)
+    print()
+    print(summary)
+    print("\n".join(skipped))
+    print(f"wrote {os.path.join(a.out, 'slow_link.md')} and slow_link.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

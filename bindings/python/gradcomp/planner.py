@@ -773,9 +773,7 @@ class CostModel:
         must match the model's for hierarchical to be a candidate."""
         preds = []
         for s, inner in self.candidates(codec, numel, dtype, world_size):
-            if s == "hierarchical" and local_world_size and local_world_size != self.local_world_size:
-                continue
-            if s == "hierarchical" and not local_world_size:
+            if s == "hierarchical" and local_world_size != self.local_world_size:
                 continue
             preds.append(self.predict(s, codec, numel, dtype, world_size, inner))
         best = preds[0]

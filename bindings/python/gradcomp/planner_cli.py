@@ -193,7 +193,7 @@ def plan(args) -> dict:
             p = planner.plan_step(params, _codec(spec), W, m, "dense" if spec == "none" else "auto", **kw)
             sweep.append({"gbps": g, "codec": spec, "exposed_overlap_s": p["exposed_overlap_s"],
                           "step_s": p["step_s"]})
-    gb = sum(n * planner.dtype_bytes(args.dtype or dt) for _, n, dt in params)
+    gb = rows[0]["gradient_bytes"]  # the same for every codec (plan_step's dense gradient)
     return {"format": "gradcomp-plan/1",
             "inputs": {"params": sum(n for _, n, _ in params), "tensors": len(params), "dtype": args.dtype,
                        "gpus": W, "gpus_per_node": L, "nodes": nodes, "accumulate": args.accumulate,

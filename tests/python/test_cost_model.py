@@ -112,15 +112,16 @@ def test_predict_hierarchical_by_hand():
     # intra: gloo allreduce over 2 (2 messages, inf bandwidth), all-gather over 2 (1 message);
     # inter: dense allreduce of the 4c-byte chunk over 2 nodes, both local ranks' groups on the NIC
     assert close(h["comm_s"], 2 * a + a + 2 * a + 2 * (2 * 1 / 2 * 4 * c) / R)
-    assert h["bytes"] == {"intra": 2 * 1 / 2 * D + 4 * c, "inter": 2 * 1 / 2 * 4 * c}
+    # (the all-gather sends the chunk and its rank's status element: c + 1 elements)
+    assert h["bytes"] == {"intra": 2 * 1 / 2 * D + 4 * (c + 1), "inter": 2 * 1 / 2 * 4 * c}
     # flat dense over 2 nodes: one ring hop per direction crosses the NIC: load 1
     f = model.predict("dense", none, n, "float32", 4)
     assert close(f["comm_s"], 6 * a + 2 * 3 / 4 * D / R)
     # NCCL accounting: a real reduce-scatter ((L-1)/L of the bucket)
     hb = planner.hierarchical_bytes(none, n, "float32", 4, 2, "dense", "nccl")
-    assert hb["intra_bytes"] == 1 / 2 * D + 4 * c
+    assert hb["intra_bytes"] == 1 / 2 * D + 4 * (c + 1)
     gb = planner.bucket_bytes("hierarchical", none, n, "float32", 4, local_world_size=2, inner="dense", engine="gloo")
-    assert gb["intra_bytes"] == D + 4 * c and gb["inter_bytes"] == 4 * c
+    assert gb["intra_bytes"] == D + 4 * (c + 1) and gb["inter_bytes"] == 4 * c
     assert gb["sent_bytes"] == gb["intra_bytes"] + gb["inter_bytes"]
     assert gb["ring_bytes"] == 2 * 3 / 4 * D
     with pytest.raises(ValueError, match="inner"):
@@ -137,12 +138,13 @@ def test_hierarchical_bytes_uneven_chunks():
     hb = planner.hierarchical_bytes(none, 10, "bfloat16", 8, 4, "sum", "gloo")
     payload_c = 4 * 3  # the chunk travels as float32 across nodes
     # the node sum accumulates in a float32 copy (gloo: an allreduce of 40 bytes); the all-gather
-    # of the averaged chunks is in the bucket dtype (3 bfloat16 elements from each of 3 others)
-    assert hb["intra_bytes"] == 2 * 3 / 4 * 40 + 3 * (2 * 3)
+    # of the averaged chunks is in the bucket dtype (3 bfloat16 elements and the status element
+    # from each of 3 others)
+    assert hb["intra_bytes"] == 2 * 3 / 4 * 40 + 3 * (2 * 4)
     assert hb["inter_bytes"] == 2 * 1 / 2 * payload_c
     # NCCL: the float32 copy padded to L c = 12 elements is reduce-scattered, (L-1)/L of 48 bytes
     hn = planner.hierarchical_bytes(none, 10, "bfloat16", 8, 4, "sum", "nccl")
-    assert hn["intra_bytes"] == 3 / 4 * 48 + 3 * (2 * 3)
+    assert hn["intra_bytes"] == 3 / 4 * 48 + 3 * (2 * 4)
     assert planner.hierarchical_inner(none, 10 ** 6, "float32", 4, 4, "gather") == "dense"  # one node
 
 

@@ -28,7 +28,8 @@ Error feedback (3 steps, float64): sum of the applied averages + the residual ma
 of residual / W, plus the server residuals) = sum of the true averages, within 1e-5 (float32
 buckets) or the bfloat16 output rounding (bfloat16 buckets, which error feedback does not see).
 Bytes: stats() against the formulas written out here for gloo: intra allreduce 2 (L-1)/L D, the
-inner scheme over N ranks, the all-gather (L-1) c * element size.
+inner scheme over N ranks, the all-gather (L-1) (c + 1) * element size (each chunk travels with
+its rank's status element).
 """
 
 import math
@@ -488,7 +489,9 @@ def test_engines_agree_and_empty():
         c = -(-n // L)
         for r in range(W):
             assert np.array_equal(bits(res[r]["gloo"]), bits(res[r]["nccl"])), (n, r)
-            assert res[r]["gloo_sizes"] == (n, None, L * c) and res[r]["nccl_sizes"] == (L * c, c, L * c)
+            # the all-gather holds L slots of c + 1: each chunk and its rank's status element
+            assert res[r]["gloo_sizes"] == (n, None, L * (c + 1))
+            assert res[r]["nccl_sizes"] == (L * c, c, L * (c + 1))
             assert res[r]["empty"] == 0
         assert_same_on_ranks([res[r]["gloo"] for r in range(W)], f"engines n={n}")
 
@@ -509,11 +512,12 @@ def job_bytes(rank, world, spec, inner, n):
                                         ("none", "dense")])
 def test_bytes_gloo(spec, inner):
     """stats() == the formulas written out here (gloo, float32 bucket of 4096 elements): intra
-    allreduce 2 (L-1)/L D, the inner scheme over N, the all-gather (L-1) c 4."""
+    allreduce 2 (L-1)/L D, the inner scheme over N, the all-gather (L-1) (c + 1) 4 (the chunk and
+    its rank's status element)."""
     n = 4096
     codec = gradcomp.Codec(spec)
     D, c = 4 * n, n // L
-    intra = 2.0 * (L - 1) / L * D + (L - 1) * c * 4
+    intra = 2.0 * (L - 1) / L * D + (L - 1) * (c + 1) * 4
     if inner == "two_phase":
         p = codec.packet_bytes(c // N, torch.float32)
         inter, packet = (N - 1) * (p + p), N * p

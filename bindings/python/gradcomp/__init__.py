@@ -7,7 +7,10 @@ communication hooks; ``gradcomp.lowrank`` exposes the steps of PowerSGD low-rank
 
 Errors: ``InvalidArgumentError`` (ValueError) for bad arguments, ``CorruptPacketError``
 (ValueError) for packets that fail validation, ``UnsupportedError`` (RuntimeError) for requests
-this build cannot serve (e.g. a CUDA tensor in a CPU-only build), ``CudaError`` (RuntimeError).
+this build cannot serve (e.g. a CUDA tensor in a CPU-only build), ``CudaError`` (RuntimeError);
+``CollectiveError`` (RuntimeError) when a collective of a compressed allreduce fails and
+``RankMismatchError`` (a CollectiveError) when ranks disagree on what they reduce (a failed step
+is undone on every rank: :mod:`gradcomp.errors`).
 """
 
 from ._C import (  # noqa: F401
@@ -20,6 +23,7 @@ from ._C import (  # noqa: F401
     set_num_threads,
 )
 from .codec import Codec, aligned_empty, build_info, check, codecs  # noqa: F401
+from .errors import CollectiveError, RankMismatchError  # noqa: F401
 from . import lowrank  # noqa: F401  (PowerSGD low-rank steps: gradcomp.lowrank.project, ...)
 
 __version__ = build_info()["version"]
@@ -29,10 +33,12 @@ __all__ = [
     "aligned_empty",
     "codecs",
     "lowrank",
+    "CollectiveError",
     "CorruptPacketError",
     "CudaError",
     "Error",
     "InvalidArgumentError",
+    "RankMismatchError",
     "UnsupportedError",
     "build_info",
     "check",

@@ -193,6 +193,11 @@ class Codec:
         return self._c.spec
 
     @property
+    def spec_hash(self) -> int:
+        """The 32-bit FNV-1a hash of :attr:`spec` that every packet's header carries (bytes 12-15)."""
+        return int(self._c.spec_hash)
+
+    @property
     def properties(self) -> dict:
         """``{"linear": bool, "unbiased": bool, "deterministic": bool, "exact_residual": bool,
         "keyed": bool, "sparse": bool}``: linear (payloads may be summed by an allreduce), unbiased

@@ -368,7 +368,8 @@ def hierarchical_steps(codec, numel: int, dtype: Any, world_size: int, local_wor
          copy (2 (L-1)/L of 4 n bytes), as gloo runs it;
       2. across nodes (N = W / L ranks of one local rank) the chunk (float32, c elements) goes
          through ``inner`` (:func:`scheme_steps` of dense, sum, gather or two_phase);
-      3. inside the node the averaged chunks are all-gathered in ``dtype`` ((L-1) c bytes each).
+      3. inside the node the averaged chunks are all-gathered in ``dtype``, each followed by its
+         rank's status element ((L-1) (c + 1) elements sent by each rank).
     """
     nodes, L = hierarchical_groups(world_size, local_world_size)
     c = chunk_size(numel, L)
@@ -384,7 +385,7 @@ def hierarchical_steps(codec, numel: int, dtype: Any, world_size: int, local_wor
         for _, kind, nbytes, p, sent in scheme_steps(inner, codec, c, "float32", nodes):
             steps.append(("inter", kind, nbytes, p, sent))
     if L > 1:
-        part = dense_bytes(c, dtype)
+        part = dense_bytes(c + 1, dtype)  # the chunk and its rank's status element
         steps.append(("intra", "all_gather", part, L, float(all_gather_bytes(part, L))))
     return steps
 

@@ -1,7 +1,7 @@
 """Collective schemes: a codec turned into a compressed allreduce over torch.distributed
 (the README: "Compressed allreduce" and "DDP communication hook").
 
-Each scheme is a function ``scheme(tensor, ctx, slots=None, probe=None) -> torch.futures.Future``
+Each scheme is a function ``scheme(tensor, ctx, slots=None, probe=None, check=None) -> torch.futures.Future``
 that averages ``tensor`` over ``ctx.group`` in place (the Future holds ``tensor``, bitwise identical
 on every rank):
 
@@ -19,6 +19,16 @@ on every rank):
   ranks of the same local rank for this rank's chunk of the node sum (encode divisor W:
   ``ctx.divisor``), an all-gather of the averaged chunks inside the node
   (:mod:`gradcomp.schemes.hierarchical`; its groups: :mod:`gradcomp.schemes.groups`).
+
+Failures: a scheme's Future raises :class:`gradcomp.CollectiveError` when one of its collectives
+fails (nothing is decoded from a collective that did not complete: every callback is attached
+through :func:`gradcomp.schemes.context.chain`, which reads the future first), and
+:class:`gradcomp.RankMismatchError` when ranks disagree: ``check=`` (a
+:class:`gradcomp.schemes.check.PeerCheck`, the caller's call descriptor) is compared before the
+first decode, and ``gather`` / ``two_phase`` compare every received packet header
+(:func:`gradcomp.schemes.check.check_headers`). A collective issued in the calling thread
+(two_phase's all-to-all, hierarchical's intra-node step) raises at once; the caller undoes what
+the encodes changed (:mod:`gradcomp.torch.journal`).
 
 World size 1 returns ``tensor`` unchanged. ``ctx`` is a :class:`SchemeContext` (codec, group,
 world size, per-layout buffers); ``slots`` maps slot names to flat float32 tensors of

@@ -10,11 +10,12 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .check import check_headers
 from .context import SchemeContext, completed, one_round
 
 
 def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
-           probe=None) -> torch.futures.Future:
+           probe=None, check=None) -> torch.futures.Future:
     """Average ``tensor`` with any codec: encode ``(g + r) / W`` (W = ``ctx.divisor``, the group
     size unless the context says otherwise) into ``ctx.packet``,
     ``all_gather_into_tensor`` the W packets (P bytes each) into ``ctx.gathered``, zero the float32
@@ -26,9 +27,17 @@ def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str
         ctx: a context built for ``"gather"`` (packet, gathered, acc, dec_codec).
         slots: ``{"residual": float32 flat tensor of numel}`` for error feedback, or None/{}.
         probe: times ``"encode_s"``, ``"comm_s"``, ``"decode_s"``; sees the decode workspace.
+        check: a :class:`gradcomp.schemes.check.PeerCheck`, or None.
+
+    Before decoding, every gathered packet's header (CPU) is compared with this rank's own: a
+    packet of another codec, spec or numel, or the empty slot of a rank that failed, raises
+    :class:`gradcomp.RankMismatchError` naming the rank (:func:`gradcomp.schemes.check.
+    check_headers`).
 
     Returns:
-        A Future holding ``tensor``, bitwise identical on every rank and run to run.
+        A Future holding ``tensor``, bitwise identical on every rank and run to run; it raises
+        :class:`gradcomp.CollectiveError` when the all-gather fails (nothing is decoded) and
+        :class:`gradcomp.RankMismatchError` as above.
 
     Raises:
         gradcomp.InvalidArgumentError: from encode (dtype, size, device).
@@ -41,6 +50,12 @@ def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str
     def communicate():
         return dist.all_gather_into_tensor(ctx.gathered, ctx.packet, group=ctx.group, async_op=True)
 
+    n, dtype = tensor.numel(), str(tensor.dtype).replace("torch.", "")
+
+    def receipt():
+        check_headers(ctx.gathered, ctx.packet.numel(), [(r, n) for r in range(W)], ctx.packet, dtype,
+                      "scheme 'gather': the all-gather of the packets")
+
     def decode(dec, ws):
         pbytes = ctx.packet.numel()
         ctx.acc.zero_()
@@ -48,4 +63,5 @@ def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str
             dec.decode(ctx.gathered[r * pbytes: (r + 1) * pbytes], out=ctx.acc, accumulate=True, workspace=ws)
         tensor.view(-1).copy_(ctx.acc)
 
-    return one_round(tensor, ctx, slots, probe, communicate, decode)
+    return one_round(tensor, ctx, slots, probe, communicate, decode, "scheme 'gather': the all-gather of the packets",
+                     check=check, receipt=receipt)

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from ..planner import dtype_bytes
-from .context import NULL_PROBE, SchemeContext, completed, one_round
+from .context import NULL_PROBE, SchemeContext, chain, completed, one_round, prefer_mismatch
 
 
 def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
-          probe=None) -> torch.futures.Future:
+          probe=None, check=None) -> torch.futures.Future:
     """Average ``tensor`` uncompressed: ``tensor /= W`` (in its dtype; ``ctx.divisor``, W unless
     the context says otherwise), then one SUM allreduce.
 
@@ -23,9 +23,13 @@ def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str,
         ctx: only ``world_size``, ``divisor`` and ``group`` are used.
         slots: unused (dense sends every value; residual flushing is the caller's).
         probe: times ``"comm_s"`` (launch to completion).
+        check: a :class:`gradcomp.schemes.check.PeerCheck` launched before the allreduce and
+            verified before the Future completes, or None.
 
     Returns:
-        A Future holding the reduced tensor (``tensor``, written in place).
+        A Future holding the reduced tensor (``tensor``, written in place); it raises
+        :class:`gradcomp.CollectiveError` when the allreduce fails (``tensor`` then holds no
+        average) and :class:`gradcomp.RankMismatchError` when ``check`` finds ranks that disagree.
     """
     W = ctx.world_size
     if W == 1:
@@ -33,17 +37,21 @@ def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str,
     probe = probe or NULL_PROBE
     t0 = probe.clock()
     tensor.div_(ctx.divisor)
+    if check is not None:
+        check.launch()
     fut = dist.all_reduce(tensor, group=ctx.group, async_op=True).get_future()
 
-    def done(f):
+    def done(value):
         probe.tock("comm_s", t0)
-        return f.value()[0]
+        if check is not None:
+            check.verify()
+        return value[0]
 
-    return fut.then(done)
+    return chain(fut, done, "scheme 'dense': the allreduce", on_error=prefer_mismatch(check), device=tensor.device)
 
 
 def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,  # noqa: A001
-        probe=None) -> torch.futures.Future:
+        probe=None, check=None) -> torch.futures.Future:
     """Average ``tensor`` with a linear codec: encode ``(g + r) / W`` (W = ``ctx.divisor``, the
     group size unless the context says otherwise) into ``ctx.packet``, one SUM allreduce of the
     payload view ``codec.payload(numel, dtype)`` (the header stays local), decode the summed
@@ -58,9 +66,13 @@ def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, t
         ctx: a context built for ``"sum"`` (packet, dec_codec) of tensor's numel, dtype, device.
         slots: ``{"residual": float32 flat tensor of numel}`` for error feedback, or None/{}.
         probe: times ``"encode_s"``, ``"comm_s"``, ``"decode_s"``; sees the decode workspace.
+        check: a :class:`gradcomp.schemes.check.PeerCheck` (the payload carries no header, so
+            this is what sees ranks that disagree), or None.
 
     Returns:
-        A Future holding ``tensor``.
+        A Future holding ``tensor``. It raises :class:`gradcomp.CollectiveError` when the
+        allreduce fails (nothing is decoded: the packet holds only this rank's share),
+        :class:`gradcomp.RankMismatchError` when ``check`` finds ranks that disagree.
 
     Raises:
         gradcomp.InvalidArgumentError: from encode (dtype, size, device).
@@ -77,4 +89,5 @@ def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, t
     def decode(dec, ws):
         dec.decode(ctx.packet, out=tensor, workspace=ws)
 
-    return one_round(tensor, ctx, slots, probe, communicate, decode)
+    return one_round(tensor, ctx, slots, probe, communicate, decode, "scheme 'sum': the allreduce of the payload",
+                     check=check)

@@ -10,8 +10,9 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import planner
+from .. import _C, planner
 from ..codec import Codec, aligned_empty
+from ..errors import CollectiveError, RankMismatchError
 from .groups import engine_of, hierarchical_groups_for
 
 
@@ -56,8 +57,9 @@ class SchemeContext:
             once, the padding stays zero).
         node_sum: float32, c elements (nccl): this rank's chunk of the node sum; None on gloo
             (the chunk is a view of ``acc``).
-        part / gathered: the bucket dtype, c and L * c elements (zeroed once): this rank's
-            averaged chunk at the start of ``part`` (zero after it) and the all-gathered chunks.
+        part / gathered: the bucket dtype, c + 1 and L * (c + 1) elements (zeroed once): this
+            rank's averaged chunk at the start of ``part`` (zero after it) and its status element
+            ``part[c]`` (0, or 1 when its inner scheme failed), and the all-gathered parts.
         inner: the scheme across nodes (dense, sum, gather, two_phase; ``"dense"`` when N = 1);
             inner_ctx: its context for this rank's chunk (count elements, float32) over
             ``cross_group``, divisor W (None when the chunk is empty or N = 1).
@@ -183,8 +185,8 @@ class SchemeContext:
         ctx.acc = torch.zeros(L * c if nccl else n, dtype=torch.float32, device=device)
         ctx.node_sum = torch.empty(c, dtype=torch.float32, device=device) if nccl else None
         if L > 1:
-            ctx.part = torch.zeros(c, dtype=dtype, device=device)
-            ctx.gathered = torch.zeros(L * c, dtype=dtype, device=device)
+            ctx.part = torch.zeros(c + 1, dtype=dtype, device=device)  # + the status element
+            ctx.gathered = torch.zeros(L * (c + 1), dtype=dtype, device=device)
         if count and N > 1:
             if ctx.inner == "dense":
                 ctx.inner_ctx = cls(codec, hg.cross, N, divisor=ctx.divisor)
@@ -228,20 +230,83 @@ def completed(tensor: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+def collective_failed(what: str, e: BaseException) -> BaseException:
+    """The error a scheme raises for a failed collective ``what`` (e.g. "scheme 'sum': the
+    allreduce of the payload"): a :class:`gradcomp.CollectiveError` naming it, with
+    torch.distributed's error as its ``__cause__``; gradcomp's own errors (a mismatch, a corrupt
+    packet) pass unchanged."""
+    if isinstance(e, (CollectiveError, _C.Error)):
+        return e
+    err = CollectiveError(f"{what} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+def chain(fut: torch.futures.Future, fn: Callable[[Any], Any], what: str = "the collective",
+          on_error: Optional[Callable[[BaseException], BaseException]] = None,
+          device: Optional[torch.device] = None) -> torch.futures.Future:
+    """``fut.then(fn)`` as every gradcomp callback must be: the ONE place where gradcomp attaches
+    a callback to a Future (tests/python/test_failures.py checks that no other code calls
+    ``.then`` or ``add_done_callback``).
+
+    Once ``fut`` completes, its value is read first -- so a failed collective raises here, as a
+    :func:`collective_failed` error naming ``what``, before any buffer is used -- then
+    ``fn(value)`` runs and its result completes the returned Future. An error of either (or of
+    ``on_error``, which may undo state and returns the exception to raise, e.g. with more
+    context) fails the returned Future with that exception, its type kept for ``wait()`` (a
+    ``.then`` would turn it into a RuntimeError).
+
+    Args:
+        fut: a Future (a ``torch.distributed`` Work's, or another scheme's).
+        fn: called with ``fut.value()``; returns the value of the new Future.
+        what: the collective, for the error message.
+        on_error: called with the exception; returns the one to raise.
+        device: a CUDA device makes the returned Future CUDA-aware on it (as ``.then``'s is), so
+            its consumers wait on the streams that produced the value.
+    """
+    devices = [device] if device is not None and torch.device(device).type == "cuda" else None
+    out = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+    def callback(f):
+        try:
+            try:
+                value = f.value()  # re-raises the collective's error
+            except BaseException as e:  # noqa: BLE001 - re-raised through the returned Future
+                raise collective_failed(what, e) from e
+            result = fn(value)
+        except BaseException as e:  # noqa: BLE001 - re-raised through the returned Future
+            if on_error is not None:
+                try:
+                    e = on_error(e)
+                except BaseException as e2:  # noqa: BLE001
+                    e = e2
+            out.set_exception(e)
+            return
+        out.set_result(result)
+
+    fut.add_done_callback(callback)
+    return out
+
+
 def one_round(tensor: torch.Tensor, ctx: SchemeContext, slots, probe, communicate: Callable[[], Any],
-              decode: Callable[[Codec, torch.Tensor], None]) -> torch.futures.Future:
+              decode: Callable[[Codec, torch.Tensor], None], what: str = "the collective",
+              check=None, receipt: Optional[Callable[[], None]] = None) -> torch.futures.Future:
     """The shape of a one-collective compressed scheme: encode, communicate, decode.
 
     Encodes ``tensor`` into ``ctx.packet`` with ``divisor=ctx.divisor`` (W, the group size, unless
     the context says otherwise) -- with error feedback through the ``"residual"`` slot when
     ``slots`` holds one (the packet then carries ``(g + r) / W`` compressed and ``r`` becomes
-    ``g + r - W * decode(packet)``) -- then launches
-    ``communicate()`` (an async ``torch.distributed`` Work over the packet) and, once it completes,
-    calls ``decode(dec_codec, workspace)``, which must leave the average in ``tensor``. Phases are
+    ``g + r - W * decode(packet)``) -- then launches ``check`` (a :class:`gradcomp.schemes.check.
+    PeerCheck`, or None) and ``communicate()`` (an async ``torch.distributed`` Work over the
+    packet) and, once it completes: reads its result (a failed collective raises, nothing is
+    decoded), verifies ``check``, runs ``receipt()`` (the scheme's header checks), then calls
+    ``decode(dec_codec, workspace)``, which must leave the average in ``tensor``. Phases are
     timed as ``"encode_s"``, ``"comm_s"``, ``"decode_s"``; the probe sees the decode workspace.
 
     Returns:
-        A Future holding ``tensor`` (errors of the collective or the decode are raised by it).
+        A Future holding ``tensor``; it raises :class:`gradcomp.CollectiveError` (the collective
+        ``what`` failed), :class:`gradcomp.RankMismatchError` (``check`` or ``receipt`` found
+        ranks that disagree) or the decode's error.
     """
     probe = probe or NULL_PROBE
     residual = slots.get("residual") if slots else None
@@ -249,10 +314,16 @@ def one_round(tensor: torch.Tensor, ctx: SchemeContext, slots, probe, communicat
     ctx.codec.encode(tensor, residual=residual, out=ctx.packet, divisor=ctx.divisor)
     probe.tock("encode_s", t0)
     t1 = probe.clock()
+    if check is not None:
+        check.launch()
     work = communicate()
 
-    def done(f):
+    def done(_):
         probe.tock("comm_s", t1)
+        if check is not None:
+            check.verify()
+        if receipt is not None:
+            receipt()
         t2 = probe.clock()
         ws = ctx.dec_codec.workspace(ctx.packet)
         decode(ctx.dec_codec, ws)
@@ -260,4 +331,24 @@ def one_round(tensor: torch.Tensor, ctx: SchemeContext, slots, probe, communicat
         probe.tock("decode_s", t2)
         return tensor
 
-    return work.get_future().then(done)
+    return chain(work.get_future(), done, what, on_error=prefer_mismatch(check), device=tensor.device)
+
+
+def prefer_mismatch(check) -> Callable[[BaseException], BaseException]:
+    """An ``on_error`` for :func:`chain`: when a collective failed and ``check`` (launched before
+    it; None: nothing to prefer) shows ranks that disagree, that mismatch is the error to raise (a
+    collective of another size can fail because of it)."""
+    if check is None:
+        return lambda e: e
+
+    def on_error(e: BaseException) -> BaseException:
+        if isinstance(e, CollectiveError) and not isinstance(e, RankMismatchError):
+            try:
+                check.verify()
+            except RankMismatchError as m:
+                return m
+            except Exception:  # noqa: BLE001 - the check's own collective failed too: keep e
+                pass
+        return e
+
+    return on_error

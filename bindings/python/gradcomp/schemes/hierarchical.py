@@ -31,8 +31,10 @@ hierarchical_steps`, groups in :mod:`gradcomp.schemes.groups`):
    planner.chunk` (count, N, k)[0], its count), folded into the worker residual with factor W
    (:mod:`gradcomp.torch.residuals`);
 3. inside the node: ``all_gather_into_tensor`` of the averaged chunks, each rounded once from
-   float32 into the bucket dtype at the start of a c-element slot (zero after it), L c elements
-   in all; every rank copies the first n into ``tensor``.
+   float32 into the bucket dtype at the start of a (c + 1)-element slot (zero after it) whose last
+   element is the rank's status (0, or 1 when its inner scheme failed: then every rank of the
+   node raises instead of using that chunk), L (c + 1) elements in all; every rank copies the
+   chunks into ``tensor``.
 
 Chunk j's average is computed identically on the N ranks of local rank j (the inner schemes are
 bitwise identical on every rank of their group) and all-gathered unchanged, so the result is
@@ -53,14 +55,15 @@ import torch.distributed as dist
 from .allgather import gather
 from .allreduce import dense
 from .allreduce import sum as sum_scheme
-from .context import NULL_PROBE, SchemeContext, completed
+from ..errors import CollectiveError
+from .context import NULL_PROBE, SchemeContext, chain, collective_failed, completed, prefer_mismatch
 from .two_phase import two_phase
 
 _INNER = {"dense": dense, "sum": sum_scheme, "gather": gather, "two_phase": two_phase}
 
 
 def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
-                 probe=None) -> torch.futures.Future:
+                 probe=None, check=None) -> torch.futures.Future:
     """Average ``tensor`` with any codec through the hierarchical protocol of the module docstring.
 
     Args:
@@ -76,17 +79,24 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
             of the average). Either may be absent (a joined rank passes the server alone).
         probe: times ``"comm_s"`` (the intra-node collectives, and those of the inner scheme),
             ``"encode_s"`` / ``"decode_s"`` (the inner scheme's); sees its decode workspaces.
+        check: a :class:`gradcomp.schemes.check.PeerCheck` over the whole group, launched before
+            the intra-node step and verified after it (before the inner scheme decodes), or None.
 
     Returns:
         A Future holding ``tensor``, bitwise identical on every rank.
 
     Raises:
         gradcomp.InvalidArgumentError: from an inner encode (dtype, size, device), at once.
-        RuntimeError: a failed intra-node or inner collective issued from the calling thread
-            (torch.distributed's), at once; the all-gather's through the Future.
+        gradcomp.CollectiveError: a failed intra-node collective issued from the calling thread,
+            at once (the caller undoes the residuals); the all-gather's, or another rank's failure
+            across nodes, through the Future.
+        gradcomp.RankMismatchError: ``check`` found ranks that disagree (at once, on every rank).
         gradcomp.CorruptPacketError: (CPU) an inner packet that fails validation: in the Future.
-            A rank whose inner scheme fails still takes part in the all-gather with a zeroed
-            slot, so every rank of its node fails instead of waiting forever.
+            A rank whose inner scheme fails still takes part in the all-gather, with its slot's
+            status element set (the element after its c values: 0 ok, 1 failed), so every rank of
+            its node raises too (naming it) instead of waiting forever or using a zeroed chunk
+            (on CUDA, where reading the statuses would need a host synchronization in the hook,
+            that chunk becomes NaN instead: a non-finite step for the node's other ranks).
     """
     W = ctx.world_size
     n = tensor.numel()
@@ -103,19 +113,29 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
     acc = ctx.acc
     acc[:n].copy_(flat)
     t0 = probe.clock()
+    if check is not None:
+        check.launch()
     if L == 1:
         s = acc
-    elif ctx.engine == "gloo":
-        dist.all_reduce(acc, group=ctx.intra_group)
-        s = acc[start: start + count]
     else:
-        dist.reduce_scatter_tensor(ctx.node_sum, acc, group=ctx.intra_group)
-        s = ctx.node_sum[:count]
+        try:
+            if ctx.engine == "gloo":
+                dist.all_reduce(acc, group=ctx.intra_group)
+                s = acc[start: start + count]
+            else:
+                dist.reduce_scatter_tensor(ctx.node_sum, acc, group=ctx.intra_group)
+                s = ctx.node_sum[:count]
+        except Exception as e:  # noqa: BLE001 - a failed collective: named, cause kept
+            what = "scheme 'hierarchical': the reduce-scatter inside the node"
+            raise prefer_mismatch(check)(collective_failed(what, e)) from e
     probe.tock("comm_s", t0)
+    if check is not None:
+        check.verify()  # every rank sees the same descriptors: all raise here, or none
 
     # 2. across nodes: the inner scheme over the N ranks of this local rank, divisor W
-    fut = None
-    if count:
+    def across() -> Optional[torch.futures.Future]:
+        if not count:
+            return None
         r = None if residual is None else residual[start: start + count]
         if ctx.inner == "dense":
             if r is not None:  # dense sends every value: the residual goes with it
@@ -123,43 +143,61 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
                 r.zero_()
             if N == 1:
                 s.div_(W)
-            else:
-                fut = dense(s, ctx.inner_ctx, probe=probe)
-        else:
-            inner_slots = {}
-            if r is not None:
-                inner_slots["residual"] = r
-            if server is not None and ctx.inner == "two_phase":
-                inner_slots["server"] = server
-            fut = _INNER[ctx.inner](s, ctx.inner_ctx, inner_slots or None, probe=probe)
+                return None
+            return dense(s, ctx.inner_ctx, probe=probe)
+        inner_slots = {}
+        if r is not None:
+            inner_slots["residual"] = r
+        if server is not None and ctx.inner == "two_phase":
+            inner_slots["server"] = server
+        return _INNER[ctx.inner](s, ctx.inner_ctx, inner_slots or None, probe=probe)
 
     if L == 1:  # no node to gather in: the inner scheme's result is the average
-        def copy_out(f):
-            f.value()
+        fut = across()
+
+        def copy_out(_):
             flat.copy_(s)
             return tensor
 
-        return fut.then(copy_out)
+        return chain(fut if fut is not None else completed(s), copy_out,
+                     f"scheme 'hierarchical': the inner {ctx.inner} across nodes", device=tensor.device)
 
-    # 3. inside the node: all-gather the averaged chunks, rounded once into the bucket dtype
+    # 3. inside the node: all-gather the averaged chunks, rounded once into the bucket dtype,
+    # each followed by its rank's status element (0 ok, 1 failed across nodes)
     failed: Optional[BaseException] = None
-    if count:
-        try:
-            if fut is not None:
-                fut.wait()
+    c = ctx.chunk_size
+    try:
+        fut = across()
+        if fut is not None:
+            fut.wait()
+        if count:
             ctx.part[:count].copy_(s)
-        except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather
-            failed = e
-            ctx.part.zero_()
+        ctx.part[c] = 0
+    except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather
+        failed = e
+        ctx.part.zero_()
+        ctx.part[c] = 1
     t1 = probe.clock()
     work = dist.all_gather_into_tensor(ctx.gathered, ctx.part, group=ctx.intra_group, async_op=True)
 
-    def done(f):
-        f.value()
+    def done(_):
         probe.tock("comm_s", t1)
         if failed is not None:
             raise failed
-        flat.copy_(ctx.gathered[:n])
+        g = ctx.gathered.view(L, c + 1)
+        if not g.is_cuda:  # host memory: read the statuses now
+            status = g[:, c].to(torch.float32).numpy()
+            if status.any():
+                bad = [ctx.node * L + i for i, v in enumerate(status) if v]
+                raise CollectiveError(f"scheme 'hierarchical': rank(s) {bad} of this node failed across nodes "
+                                      f"(their own error says why): their chunks hold no average")
+        for i, (a, m) in enumerate(ctx.chunks):
+            if m:
+                if g.is_cuda:  # no host read in the hook: a failed rank's chunk becomes NaN (a non-finite step)
+                    flat[a: a + m].copy_(torch.where(g[i, c] != 0, torch.full_like(g[i, :m], float("nan")), g[i, :m]))
+                else:
+                    flat[a: a + m].copy_(g[i, :m])
         return tensor
 
-    return work.get_future().then(done)
+    return chain(work.get_future(), done, "scheme 'hierarchical': the all-gather inside the node",
+                 device=tensor.device)

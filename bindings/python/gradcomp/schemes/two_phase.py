@@ -41,11 +41,12 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .context import NULL_PROBE, SchemeContext, completed
+from .check import check_headers
+from .context import NULL_PROBE, SchemeContext, chain, collective_failed, completed, prefer_mismatch
 
 
 def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
-              probe=None) -> torch.futures.Future:
+              probe=None, check=None) -> torch.futures.Future:
     """Average ``tensor`` with any codec through the two-phase protocol of the module docstring.
 
     Args:
@@ -60,15 +61,22 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
             s becomes x'' - D2). Either may be absent (a joined rank passes the server alone).
         probe: times ``"encode_s"`` (both encodes), ``"comm_s"`` (both collectives),
             ``"decode_s"`` (both decodes); sees both decode workspaces.
+        check: a :class:`gradcomp.schemes.check.PeerCheck` launched before the all-to-all and
+            verified after it (before any decode), or None.
 
     Returns:
         A Future holding ``tensor``, bitwise identical on every rank and run to run.
 
     Raises:
         gradcomp.InvalidArgumentError: from encode (dtype, size, device), at once.
+        gradcomp.CollectiveError: the all-to-all failed (at once; the worker residual then holds
+            this step's encode: the caller undoes it), or the all-gather (in the Future).
+        gradcomp.RankMismatchError: ``check`` found ranks that disagree (at once, on every rank),
+            or a received packet's header differs (:func:`gradcomp.schemes.check.check_headers`).
         gradcomp.CorruptPacketError: (CPU) a received packet that fails validation: in the Future.
-            A rank whose own chunk fails still takes part in the all-gather with a zeroed slot,
-            so every rank's Future then fails instead of some ranks waiting forever.
+            A rank whose own chunk fails (a mismatched or corrupt packet) still takes part in the
+            all-gather with a zeroed slot, so every rank's Future then fails (the zeroed slot is
+            named as that rank's failure) instead of some ranks waiting forever.
     """
     W = ctx.world_size
     n = tensor.numel()
@@ -89,17 +97,27 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
                          out=ctx.packet[j * p1: j * p1 + codec.packet_bytes(m, dtype)], divisor=ctx.divisor)
     probe.tock("encode_s", t0)
     t1 = probe.clock()
-    dist.all_to_all_single(ctx.received, ctx.packet, group=ctx.group)
+    if check is not None:
+        check.launch()
+    try:
+        dist.all_to_all_single(ctx.received, ctx.packet, group=ctx.group)
+    except Exception as e:  # noqa: BLE001 - a failed collective: named, cause kept
+        err = prefer_mismatch(check)(collective_failed("scheme 'two_phase': the all-to-all of the chunk packets", e))
+        raise err from e
     probe.tock("comm_s", t1)
+    if check is not None:
+        check.verify()  # every rank sees the same descriptors: all raise here, or none
 
     failed: Optional[BaseException] = None
     _, mine = ctx.chunks[ctx.rank]
     if mine:
         try:
             t2 = probe.clock()
+            q1 = codec.packet_bytes(mine, dtype)
+            check_headers(ctx.received, p1, [(j, mine) for j in range(W)], ctx.packet[ctx.rank * p1:],
+                          str(dtype).replace("torch.", ""), "scheme 'two_phase': the all-to-all of the chunk packets")
             acc = ctx.acc[:mine]
             acc.zero_()
-            q1 = codec.packet_bytes(mine, dtype)
             ws = dec.workspace(ctx.received, mine, "float32")
             for j in range(W):
                 dec.decode(ctx.received[j * p1: j * p1 + q1], out=acc, accumulate=True, workspace=ws)
@@ -114,12 +132,14 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
             ctx.server_packet.zero_()
     t4 = probe.clock()
     work = dist.all_gather_into_tensor(ctx.gathered, ctx.server_packet, group=ctx.group, async_op=True)
+    ref = ctx.packet[ctx.rank * p1:] if mine else next(ctx.packet[j * p1:] for j, (_, m) in enumerate(ctx.chunks) if m)
 
-    def done(f):
-        f.value()
+    def done(_):
         probe.tock("comm_s", t4)
         if failed is not None:
             raise failed
+        check_headers(ctx.gathered, p2, [(j, m) for j, (_, m) in enumerate(ctx.chunks) if m], ref, "float32",
+                      "scheme 'two_phase': the all-gather of the summed chunks")
         t5 = probe.clock()
         ws = dec.workspace(ctx.gathered, len(ctx.acc), "float32")
         for j, (a, m) in enumerate(ctx.chunks):
@@ -130,4 +150,5 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
         probe.tock("decode_s", t5)
         return tensor
 
-    return work.get_future().then(done)
+    return chain(work.get_future(), done, "scheme 'two_phase': the all-gather of the summed chunks",
+                 device=tensor.device)

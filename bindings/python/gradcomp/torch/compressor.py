@@ -27,9 +27,11 @@ import torch.distributed as dist
 from .. import planner
 from ..codec import Codec
 from ..schemes import SCHEMES, SchemeContext, engine_of, hierarchical_groups_for
-from ..schemes.context import completed
+from ..schemes.check import PeerCheck
+from ..schemes.context import chain, completed
+from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
 from .residuals import NONFINITE_MODES, Layout, ResidualStore
-from .stats import CORRUPT_MODES, StepRecord, Stats
+from .stats import CORRUPT_MODES, Stats
 
 log = logging.getLogger("gradcomp")
 
@@ -218,6 +220,14 @@ class Compressor:
     16-bit tensors: the ``fp16`` and ``bf16`` codecs save nothing on a float16/bfloat16 tensor
     (one warning per codec and dtype; use ``"none"``, or a smaller codec).
 
+    Failed steps (the README's "When a step fails"): when a collective of a step fails (a peer
+    died, a timeout), ranks disagree (:class:`gradcomp.RankMismatchError`, checked from a call
+    descriptor at each new layout and at each step's first call) or a decode fails, every
+    Future of that step raises on every surviving rank, naming the step, the tensor or bucket,
+    the codec and the scheme, and the step's changes are undone (:mod:`gradcomp.torch.journal`):
+    residuals as before it, ``iter`` too (the step is tried again; a name called again starts
+    the retry). ``stats()["failed_steps"]`` counts them.
+
     Joined ranks (``joined=True``) send exact zeros and keep their worker residuals; under
     two_phase they still sum and re-encode their chunk for the others, with its server residual;
     under hierarchical they still encode their chunk of the node sum across nodes (without
@@ -295,6 +305,8 @@ class Compressor:
         self._unit: Optional[torch.Tensor] = None  # the loss scale the residuals are in (None: 1)
         self._unit_step = -1  # the step whose residuals were last brought to the scaler's scale
         self._restored: Optional[dict] = None  # a state_dict from a pickle, loaded on first use
+        self._journal = StepJournal(self._rewind)  # undoes a failed step (gradcomp.torch.journal)
+        self._verified: Dict[tuple, tuple] = {}  # key -> call signature the ranks agreed on
 
     def _hierarchical_groups(self) -> None:
         """Create the intra/cross-node process groups now (every rank constructs the Compressor
@@ -332,12 +344,17 @@ class Compressor:
 
         Returns:
             A ``torch.futures.Future`` whose value is ``tensor``, holding the average, bitwise
-            identical on every rank. Errors of the collective or of decode are raised by
-            ``wait()``.
+            identical on every rank. ``wait()`` raises :class:`gradcomp.CollectiveError` when a
+            collective of the step failed (or the step failed in another call),
+            :class:`gradcomp.RankMismatchError` when ranks disagree, the decode's error
+            (:class:`gradcomp.CorruptPacketError`); the step is then undone.
 
         Raises:
             TypeError: ``tensor`` not a torch.Tensor or ``name`` not a str.
             ValueError: a non-contiguous or sparse tensor; ``name`` used before with another numel.
+            gradcomp.CollectiveError, gradcomp.RankMismatchError: at once, when a collective
+                issued in the calling thread fails (two_phase, hierarchical) or the ranks'
+                descriptors of a new layout differ; the step is then undone.
             gradcomp.CorruptPacketError: a corrupt packet seen by a CUDA decode of an earlier step
                 (``on_corrupt="raise"``).
         """
@@ -376,15 +393,59 @@ class Compressor:
                             dense_reason=dense_reason)
 
     def end_step(self) -> None:
-        """End the current step (the next reduction starts step ``iter + 1``)."""
-        self.iter += 1
+        """End the current step: the next reduction starts step ``iter + 1`` -- unless the step
+        failed (a call's Future raised), which is then tried again as the same step (``iter``
+        stays; see "When a step fails" in the README)."""
+        self._journal.end_step(self._advance)
         self._step_names.clear()
+
+    def _advance(self) -> None:
+        self.iter += 1
+
+    def _rewind(self, step: int) -> None:
+        """A failure landed after its step ended (journal): the step counter goes back to it."""
+        self.iter = int(step)
+        self._step_names.clear()
+
+    def _attempt(self, key) -> Attempt:
+        att = self._journal.attempt(self.iter, key)
+        if att.rec is None:
+            att.rec = self._stats.record(att.step)
+        return att
+
+    def _context(self, att: Attempt, key, scheme: str) -> str:
+        return f"gradcomp: step {att.step}, {_label(key)} (codec {self.codec.spec}, scheme {scheme})"
+
+    def _failed(self, att: Attempt, key, scheme: str, e: BaseException) -> BaseException:
+        """A call of ``att`` failed with ``e``: undo the step (the first failure) and return the
+        error to raise, naming the step, the tensor or bucket, the codec and the scheme."""
+        return fail_call(att, _label(key), self._context(att, key, scheme), e, self._stats,
+                         "its residuals and step counter are")
+
+    def _not_applied(self, att: Attempt, key, scheme: str) -> NotApplied:
+        return not_applied(att, self._context(att, key, scheme))
+
+    def _check(self, att: Attempt, key, tensor, lay: Optional[Layout], scheme: str,
+               route: Optional[_Route] = None) -> Optional[PeerCheck]:
+        """The ranks' call descriptors (:func:`gradcomp.torch.journal.peer_check`)."""
+        params = list(lay.params) if lay is not None else None
+        inner = route.inner if route is not None and scheme == "hierarchical" else ""
+        L = self.local_world_size if scheme == "hierarchical" else 0
+        sig = (tensor.numel(), tensor.dtype, scheme, inner, L, None if params is None else tuple(params))
+
+        def make(now: bool) -> PeerCheck:
+            return PeerCheck(self.group, self.world_size, tensor.device, step=att.step, key=key,
+                             numel=tensor.numel(), dtype=tensor.dtype, params=params, spec=self.codec.spec,
+                             spec_hash=self.codec.spec_hash, scheme=scheme, inner=inner, local_world_size=L,
+                             late=None if now else self._stats.expect_check)
+
+        return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e))
 
     def _reduce(self, tensor, key, params, joined=False, dense=False, dense_reason="") -> torch.futures.Future:
         if self.world_size == 1:
             return completed(tensor)
         self._load_restored(strict=True)
-        rec = self._stats.record(self.iter)
+        att = self._attempt(key)
         if self._unit_step != self.iter and (self._scaler is not None or self._unit is not None):
             self._follow_scale()
         kind = "bucket" if key[0] == "index" else "tensor"
@@ -392,16 +453,19 @@ class Compressor:
             self._fallback.add(key)
             self._warn_once(("dtype", tensor.dtype, tensor.layout),
                             f"gradcomp: {kind} of dtype {tensor.dtype} / layout {tensor.layout} takes the dense path")
-            return self._dense(rec, tensor, key, None, joined)
+            check = self._check(att, key, tensor, None, "dense") if tensor.layout == torch.strided else None
+            return self._dense(att, tensor, key, None, joined, check)
         if dense_reason:
             self._fallback.add(key)
             self._routes.pop(key, None)
             self._warn_once(("reason", dense_reason), f"gradcomp: {_label(key)} takes the dense path: {dense_reason}")
-            return self._dense(rec, tensor, key, None, joined)
+            return self._dense(att, tensor, key, None, joined, self._check(att, key, tensor, None, "dense"))
         route = self._route(key, tensor, params)
         if dense or route.scheme == "dense":
-            return self._dense(rec, tensor, key, route.layout, joined)
-        return self._compressed(rec, tensor, key, route, joined)
+            return self._dense(att, tensor, key, route.layout, joined,
+                               self._check(att, key, tensor, route.layout, "dense"))
+        return self._compressed(att, tensor, key, route, joined,
+                                self._check(att, key, tensor, route.layout, route.scheme, route))
 
     def _route(self, key, tensor, params) -> _Route:
         if callable(params):
@@ -462,27 +526,50 @@ class Compressor:
             b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size))
         return b
 
-    def _dense(self, rec: StepRecord, tensor, key, lay: Optional[Layout], joined: bool):
+    def _dense(self, att: Attempt, tensor, key, lay: Optional[Layout], joined: bool, check: Optional[PeerCheck]):
+        rec = att.rec
         b = self._bucket(key, tensor, "dense")
         self._stats.account(rec, b)
-        # parameters that go dense add their residual to the gradient they send (ResidualStore.flush)
-        flushed = self.store.flush(lay, tensor.view(-1)) if lay is not None and not joined else []
+        # parameters that go dense add their residual to the gradient they send (ResidualStore.flush);
+        # a call of a step that already failed elsewhere changes no residual
+        flushed = []
+        if lay is not None and not joined and not att.failed:
+            with self._journal.lock:
+                flushed = self.store.flush(lay, tensor.view(-1))
+                if flushed:
+                    att.on_undo(functools.partial(self.store.unflush, flushed))
+        undo_self = functools.partial(self.store.unflush, flushed) if flushed else None
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
-        fut = SCHEMES["dense"](tensor, self._dense_ctx, probe=probe)
-        if not flushed:
-            return fut
 
-        def done(f):
-            out = f.value()
-            nf = torch.isfinite(out).logical_not().any()
-            self._stats.mark_nonfinite(rec, nf)
-            for k, pend in self.store.keep_flushed(flushed, nf):
-                self._stats.on_finite(rec, functools.partial(self.store.drop_pending, k, pend))
+        def on_error(e):
+            err = self._failed(att, key, "dense", e)
+            if undo_self is not None:  # (again: the step may have failed elsewhere meanwhile)
+                with self._journal.lock:
+                    undo_self()
+            return err
+
+        try:
+            fut = SCHEMES["dense"](tensor, self._dense_ctx, probe=probe, check=check)
+        except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
+            raise on_error(e) from e
+
+        def done(out):
+            with self._journal.lock:
+                if att.failed:
+                    if undo_self is not None:
+                        undo_self()
+                    raise self._not_applied(att, key, "dense")
+                if flushed:
+                    nf = torch.isfinite(out).logical_not().any()
+                    self._stats.mark_nonfinite(rec, nf)
+                    for k, pend in self.store.keep_flushed(flushed, nf):
+                        self._stats.on_finite(rec, functools.partial(self.store.drop_pending, k, pend))
             return out
 
-        return fut.then(done)
+        return chain(fut, done, f"{_label(key)}: the dense allreduce", on_error=on_error, device=tensor.device)
 
-    def _compressed(self, rec: StepRecord, tensor, key, route: _Route, joined: bool):
+    def _compressed(self, att: Attempt, tensor, key, route: _Route, joined: bool, check: Optional[PeerCheck]):
+        rec = att.rec
         lay = route.layout
         if route.ctx is None:
             route.ctx = SchemeContext.for_layout(route.scheme, self.codec, lay.numel, lay.dtype, lay.device,
@@ -503,24 +590,47 @@ class Compressor:
         # joined ranks send exact zeros and keep their worker residuals; under two_phase (and
         # hierarchical's inner two_phase) they still sum their chunk for the others, with its
         # server residual
+        # a call of a step that already failed elsewhere runs its collectives (the ranks stay in
+        # step) without error feedback, so it changes no residual
         names = None if not joined else (("server",) if server is not None else ())
-        slots = self.store.slots(lay, names) if self.error_feedback and names != () else None
-        if slots:
-            self.store.snapshot(lay, names)
+        slots = None
+        if self.error_feedback and names != () and not att.failed:
+            with self._journal.lock:
+                slots = self.store.slots(lay, names)
+                if slots:
+                    self.store.snapshot(lay, names)  # what a failed or (restore) non-finite step puts back
+                    att.on_undo(functools.partial(self.store.restore, lay, names))
+        undo_self = functools.partial(self.store.restore, lay, names) if slots else None
         if joined:
             tensor.zero_()
-        fut = SCHEMES[route.scheme](tensor, route.ctx, slots, probe=probe)
+        scheme = route.scheme
+
+        def on_error(e):
+            err = self._failed(att, key, scheme, e)
+            if undo_self is not None:  # (again: the step may have failed elsewhere meanwhile)
+                with self._journal.lock:
+                    undo_self()
+            return err
+
+        try:
+            fut = SCHEMES[scheme](tensor, route.ctx, slots, probe=probe, check=check)
+        except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
+            raise on_error(e) from e
         self._stats.account(rec, b)
 
-        def done(f):
-            f.value()  # re-raises an error of the collective or the decode
-            nf = torch.isfinite(tensor).logical_not().any()
-            if slots:
-                self.store.settle(lay, nf, names)
-            self._stats.mark_nonfinite(rec, nf)
+        def done(_):
+            with self._journal.lock:
+                if att.failed:  # another call of the step failed: this one's residuals go back too
+                    if undo_self is not None:
+                        undo_self()
+                    raise self._not_applied(att, key, scheme)
+                nf = torch.isfinite(tensor).logical_not().any()
+                if slots:
+                    self.store.settle(lay, nf, names)
+                self._stats.mark_nonfinite(rec, nf)
             return tensor
 
-        return fut.then(done)
+        return chain(fut, done, f"{_label(key)}: scheme {scheme!r}", on_error=on_error, device=tensor.device)
 
     def _warn_once(self, key, msg):
         if key not in self._warned:
@@ -813,6 +923,7 @@ class Compressor:
         self._stats.world_size = world
         self._dense_ctx = SchemeContext(self.codec, group, world)
         self._routes.clear()
+        self._verified.clear()  # the new group's ranks compare their call descriptors again
         self._hierarchical_groups()
         self._load_restored(strict)
 

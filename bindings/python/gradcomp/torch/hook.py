@@ -534,13 +534,17 @@ def register(ddp_model, codec: Any = None, *, state: Optional[CompressionState] 
             ``"topk:ratio=0.01"``; or ``"powersgd:rank=R"``, which registers
             :func:`gradcomp.torch.powersgd_hook` with a :class:`gradcomp.torch.PowerSGDState`
             instead (:func:`gradcomp.torch.powersgd.register_powersgd`) and returns that state.
-        state: a CompressionState to register instead of a new one.
+        state: a CompressionState (or a PowerSGDState) to register instead of a new one: e.g. a
+            state loaded from a checkpoint, or the state of a DDP model whose step failed (DDP's
+            reducer cannot go on after a failed backward: wrap the module in a new DDP model and
+            register the same state on it; the failed step was undone).
         kwargs: the other arguments of :class:`CompressionState` (with ``state``: only
             ``process_group`` and ``strict``, as :meth:`CompressionState.bind` takes them).
 
     Raises:
         TypeError: ``ddp_model`` not a DistributedDataParallel (see :func:`check_ddp_model`);
-            neither or both of ``codec`` and ``state``; ``state`` not a CompressionState.
+            neither or both of ``codec`` and ``state``; ``state`` not a CompressionState or a
+            PowerSGDState.
         RuntimeError: DDP's, when the model already has a hook (DDP allows one per model).
         ValueError, KeyError: as :class:`CompressionState` / :meth:`CompressionState.bind`.
     """
@@ -552,8 +556,15 @@ def register(ddp_model, codec: Any = None, *, state: Optional[CompressionState] 
     if state is not None:
         if codec is not None:
             raise TypeError("gradcomp.torch.register: give codec= (a new state) or state= (an existing one), not both")
+        from .powersgd import PowerSGDState, powersgd_hook
+
+        if isinstance(state, PowerSGDState):
+            state.bind(ddp_model, **kwargs)
+            ddp_model.register_comm_hook(state, powersgd_hook)
+            return state
         if not isinstance(state, CompressionState):
-            raise TypeError(f"gradcomp.torch.register: state={type(state).__name__}; accepted: a CompressionState")
+            raise TypeError(f"gradcomp.torch.register: state={type(state).__name__}; accepted: a CompressionState "
+                            f"or a PowerSGDState")
         state.bind(ddp_model, **kwargs)
     elif codec is None:
         raise TypeError("gradcomp.torch.register: codec is required (there is no default codec, as PyTorch's "

@@ -59,8 +59,10 @@ import torch
 import torch.distributed as dist
 
 from .. import lowrank, planner
-from ..schemes.context import completed
+from ..schemes.check import PeerCheck
+from ..schemes.context import chain, collective_failed, completed, prefer_mismatch
 from .compressor import check_allreduce_args
+from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
 from .residuals import NONFINITE_MODES, ResidualStore
 from .stats import Stats
 
@@ -178,6 +180,51 @@ def is_powersgd_spec(codec: Any) -> bool:
     return isinstance(codec, str) and codec.partition(":")[0].strip() == "powersgd"
 
 
+class _Undo:
+    """How to put back what one PowerSGD call changed (:mod:`gradcomp.torch.journal`): the plan's
+    Qs and warm flags, the residual (the new one is written into the backup buffer and swapped in
+    at the end: swapping back undoes it), flushed residuals, the compression counters and
+    ``q_init="torch"``'s RandomState. ``again()`` repeats the per-call parts for a call still in
+    flight when its step failed (idempotent)."""
+
+    def __init__(self, engine: "_LowRank", plan: Optional["_Plan"]):
+        self.engine, self.plan = engine, plan
+        self.q = plan.q.clone() if plan is not None and plan.q_numel else None
+        self.warm = [list(w) for w in plan.warm] if plan is not None else None
+        self.rng = engine.rng.get_state() if engine.q_init == "torch" else None
+        self.swapped = False
+        self.flushed: list = []
+        self.flush_dense = plan.flush_dense if plan is not None else False
+        self.counted = (0, 0)
+
+    def count(self, before: int, after: int) -> None:
+        self.engine.numel_before += before
+        self.engine.numel_after += after
+        self.counted = (before, after)
+
+    def again(self) -> None:
+        e, plan = self.engine, self.plan
+        if plan is not None:
+            if self.q is not None:
+                plan.q.copy_(self.q)
+            plan.warm = [list(w) for w in self.warm]
+            plan.flush_dense = self.flush_dense
+            if self.swapped:
+                e.store.swap_backup(plan.lay)
+                self.swapped = False
+        if self.flushed:
+            e.store.unflush(self.flushed)
+        b, a = self.counted
+        e.numel_before -= b
+        e.numel_after -= a
+        self.counted = (0, 0)
+
+    def __call__(self) -> None:
+        self.again()
+        if self.rng is not None:
+            self.engine.rng.set_state(self.rng)
+
+
 class _LowRank:
     """The PowerSGD engine of one rank: plans per bucket layout, residuals, Qs, accounting.
     Shared by :class:`PowerSGDState` (DDP buckets) and :class:`PowerSGDCompressor` (named tensors)."""
@@ -206,11 +253,15 @@ class _LowRank:
         self.numel_after = 0
         self.set_group(group)
         self._stats = Stats(self.world_size, self.spec(), nonfinite, "raise", int(log_every))
+        self._journal = StepJournal(self._rewind)  # undoes a failed step (gradcomp.torch.journal)
+        self._verified: Dict[Any, tuple] = {}  # key -> call signature the ranks agreed on
 
     def set_group(self, group) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if hasattr(self, "_verified"):
+            self._verified.clear()  # the new group's ranks compare their call descriptors again
 
     def spec(self) -> str:
         return f"powersgd:rank={self.opts['rank']}"
@@ -291,29 +342,81 @@ class _LowRank:
                     if not (self.warm_start and plan.warm[gi][bi]):
                         g.q[bi].copy_(draws[bi].to(torch.float32))
 
+    # -- a step -------------------------------------------------------------------------------
+    def _attempt(self, key) -> Attempt:
+        att = self._journal.attempt(self.iter, key)
+        if att.rec is None:
+            att.rec = self._stats.record(att.step)
+        return att
+
+    def _rewind(self, step: int) -> None:
+        self.iter = int(step)
+
+    def _context(self, att: Attempt, key, scheme: str) -> str:
+        return f"gradcomp: step {att.step}, {_label(key)} ({self.spec()}, scheme {scheme})"
+
+    def _failed(self, att: Attempt, key, scheme: str, e: BaseException,
+                undo: Optional[_Undo] = None) -> BaseException:
+        """A call of ``att`` failed: undo the step (the first failure; ``undo.again()`` for this
+        call's own changes) and return the error to raise, naming step, bucket and scheme."""
+        err = fail_call(att, _label(key), self._context(att, key, scheme), e, self._stats,
+                        "its residuals, Qs and step counter are")
+        if undo is not None:
+            with self._journal.lock:
+                undo.again()
+        return err
+
+    def _not_applied(self, att: Attempt, key, scheme: str) -> NotApplied:
+        return not_applied(att, self._context(att, key, scheme))
+
+    def _check(self, att: Attempt, key, flat: torch.Tensor, plan: Optional["_Plan"], scheme: str):
+        """The ranks' call descriptors (:func:`gradcomp.torch.journal.peer_check`): the layout's
+        entries, numel and dtype, the options and the scheme."""
+        params = list(plan.signature[3]) if plan is not None else None
+        sig = (flat.numel(), flat.dtype, scheme, None if params is None else tuple(params))
+        spec = self.spec() if scheme == "powersgd" else "dense"
+
+        def make(now: bool) -> PeerCheck:
+            return PeerCheck(self.group, self.world_size, flat.device, step=att.step, key=key, numel=flat.numel(),
+                             dtype=flat.dtype, params=params, spec=spec, spec_hash=zlib.crc32(repr(self.opts).encode()),
+                             scheme=scheme, late=None if now else self._stats.expect_check)
+
+        return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e))
+
     # -- a bucket ------------------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, key, entries, joined: bool = False, dense: bool = False) -> torch.futures.Future:
         """Average the flat ``tensor`` (a bucket or one tensor) over the group in place; ``entries``
-        = ``[(name, offset, shape)]`` of the tensors it holds, or a callable returning them."""
+        = ``[(name, offset, shape)]`` of the tensors it holds, or a callable returning them.
+
+        A failed collective, a mismatch between ranks or a failed step elsewhere makes the Future
+        (or this call, for the first collective, issued here) raise; the step's residuals, Qs,
+        counters and step counter are then put back (:mod:`gradcomp.torch.journal`)."""
         W = self.world_size
         if W == 1:
             return completed(tensor)
         flat = tensor.view(-1)
+        att = self._attempt(key)
         if tensor.layout != torch.strided or tensor.dtype not in SUPPORTED_DTYPES:
             self._warn_once(("dtype", tensor.dtype), f"gradcomp: PowerSGD: {_label(key)} of dtype {tensor.dtype} / "
                             f"layout {tensor.layout} takes the dense path (allreduce_hook)")
-            return self._dense(tensor, key, None)
+            return self._dense(att, tensor, key, None)
         if dense:
-            return self._dense(tensor, key, entries)
+            return self._dense(att, tensor, key, entries)
         plan = self._plan(key, flat, entries)
-        rec = self._stats.record(self.iter)
+        rec = att.rec
         b = {key[0]: key[1], "numel": plan.numel, "dtype": str(plan.dtype).replace("torch.", ""), "scheme": "powersgd"}
         b.update(planner.powersgd_bytes(plan.numel, plan.dtype, plan.dense_numel, plan.p_numel, plan.q_numel, W))
         self._stats.account(rec, b)
         probe = self._stats.probe(rec, b, plan.device, _label(key))
-        self.numel_before += plan.numel_before
-        self.numel_after += plan.numel_after
-        ef = self.error_feedback and not joined
+        check = self._check(att, key, flat, plan, "powersgd")
+        # a call of a step that already failed elsewhere runs its collectives (the ranks stay in
+        # step) without error feedback; its own changes are put back when it completes
+        doomed = att.failed
+        undo = _Undo(self, plan)
+        if not doomed:
+            att.on_undo(undo)
+        undo.count(plan.numel_before, plan.numel_after)
+        ef = self.error_feedback and not joined and not doomed
         t0 = probe.clock()
         if joined:
             flat.zero_()
@@ -322,14 +425,13 @@ class _LowRank:
         if ef and plan.flush_dense:
             if plan.dense_names and not self.store.empty():
                 dl = self.store.layout((key, "dense"), plan.numel, plan.dtype, plan.device, plan.dense_names)
-                self.store.flush(dl, flat)  # residuals of parameters sent dense join their gradient
+                undo.flushed = self.store.flush(dl, flat)  # residuals of parameters sent dense join their gradient
             plan.flush_dense = False
-        # restore mode writes M = g + e into the residual's backup buffer: the residual slot
-        # keeps e until the step is known finite (then the two swap: no copy, no restore pass)
-        double = ef and self.store.nonfinite == "restore"
+        # M = g + e goes into the residual's backup buffer: the residual slot keeps e until the
+        # step has completed (then the two swap: no copy; a non-finite or failed step swaps back)
         if ef:
             res = plan.lay.residual
-            M = torch.add(res, flat, out=plan.lay.backups["residual"]) if double else res.add_(flat)
+            M = torch.add(res, flat, out=plan.lay.backups["residual"])
         elif plan.dtype == torch.float32:
             M = flat
         else:
@@ -343,8 +445,16 @@ class _LowRank:
             plan.comm1[:d].copy_(flat.index_select(0, plan.dense_idx))
         probe.tock("encode_s", t0)
         t1 = probe.clock()
-        if plan.comm1.numel():
-            dist.all_reduce(plan.comm1, group=self.group)  # [dense | P], summed
+        if check is not None:
+            check.launch()
+        try:
+            if plan.comm1.numel():
+                dist.all_reduce(plan.comm1, group=self.group)  # [dense | P], summed
+            if check is not None:
+                check.verify()
+        except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
+            e2 = collective_failed("PowerSGD: the allreduce of P (and of the tensors sent dense)", e)
+            raise self._failed(att, key, "powersgd", prefer_mismatch(check)(e2), undo) from e
         probe.tock("comm_s", t1)
         t2 = probe.clock()
         if d:
@@ -353,7 +463,7 @@ class _LowRank:
             lowrank.orthogonalize(g.p, self.epsilon)
             lowrank.back_project(M, g.offsets, g.n, g.m, g.p, g.q)
         probe.tock("encode_s", t2)
-        for gi in range(len(plan.groups)):
+        for gi in range(len(plan.warm)):
             plan.warm[gi] = [True] * len(plan.warm[gi])
 
         def finish():
@@ -367,63 +477,86 @@ class _LowRank:
             nf = plan.status[0] != 0
             if d:
                 nf = nf | torch.isfinite(plan.comm1[:d]).logical_not().any()
-            if ef:
-                if plan.dense_idx is not None:
-                    M.index_fill_(0, plan.dense_idx, 0.0)  # M's dense ranges held g: no residual there
-                if not double:  # reset: zero the residual of a non-finite step
-                    if M.is_cuda:
+            with self._journal.lock:
+                if att.failed:  # another call of the step failed: this one is put back too
+                    undo.again()
+                    raise self._not_applied(att, key, "powersgd")
+                if ef:
+                    if plan.dense_idx is not None:
+                        M.index_fill_(0, plan.dense_idx, 0.0)  # M's dense ranges held g: no residual there
+                    self.store.swap_backup(plan.lay)  # M (the new residual) becomes the residual
+                    undo.swapped = True
+                    if M.is_cuda:  # no host read: restore puts e back, reset zeroes, where non-finite
                         self.store.settle(plan.lay, nf)
-                    elif bool(nf):
-                        M.zero_()
-                elif M.is_cuda:  # no host read on CUDA: M becomes the residual unless non-finite
-                    self.store.swap_backup(plan.lay)
-                    self.store.settle(plan.lay, nf)
-                elif not bool(nf):  # CPU: reading the flag costs nothing
-                    self.store.swap_backup(plan.lay)
-            if self.warm_start and plan.q_numel:
-                torch.where(nf, plan.qbak, plan.q, out=plan.q)
-            self._stats.mark_nonfinite(rec, nf)
+                    elif bool(nf):  # CPU: reading the flag costs nothing
+                        if self.store.nonfinite == "restore":
+                            self.store.swap_backup(plan.lay)
+                            undo.swapped = False
+                        else:
+                            plan.lay.residual.zero_()
+                if self.warm_start and plan.q_numel:
+                    torch.where(nf, plan.qbak, plan.q, out=plan.q)
+                self._stats.mark_nonfinite(rec, nf)
             probe.tock("decode_s", t4)
             return tensor
 
+        def on_error(e):
+            return self._failed(att, key, "powersgd", e, undo)
+
         if not plan.q_numel:  # nothing compressed: one collective was all (no empty collective)
-            return completed(finish())
+            return chain(completed(None), lambda _: finish(), on_error=on_error)
         t3 = probe.clock()
         work = dist.all_reduce(plan.q, group=self.group, async_op=True)
 
-        def done(f):
-            f.value()
+        def done(_):
             probe.tock("comm_s", t3)
             return finish()
 
-        return work.get_future().then(done)
+        return chain(work.get_future(), done, "PowerSGD: the allreduce of Q", on_error=on_error, device=flat.device)
 
-    def _dense(self, tensor, key, entries) -> torch.futures.Future:
+    def _dense(self, att: Attempt, tensor, key, entries) -> torch.futures.Future:
         """PyTorch's allreduce_hook: divide by W, SUM allreduce (warm-up steps, other dtypes);
-        residuals of the bucket's parameters are added to the gradient first (and dropped)."""
+        residuals of the bucket's parameters are added to the gradient first (and dropped; given
+        back if the step fails)."""
         flat = tensor.view(-1)
-        rec = self._stats.record(self.iter)
+        rec = att.rec
         b = {key[0]: key[1], "numel": flat.numel(), "dtype": str(tensor.dtype).replace("torch.", ""), "scheme": "dense"}
         b.update(planner.bucket_bytes("dense", None, flat.numel(), tensor.dtype, self.world_size))
         self._stats.account(rec, b)
-        if entries is not None and self.error_feedback and not self.store.empty():
+        check = self._check(att, key, flat, None, "dense") if tensor.layout == torch.strided else None
+        undo = _Undo(self, None)
+        if entries is not None and self.error_feedback and not self.store.empty() and not att.failed:
             ent = entries() if callable(entries) else entries
             lay = self.store.layout((key, "warmup"), flat.numel(), tensor.dtype, tensor.device,
                                     [(n, o, int(np.prod(s)) if len(s) else 1) for n, o, s in ent])
-            self.store.flush(lay, flat)
+            att.on_undo(undo)
+            undo.flushed = self.store.flush(lay, flat)
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
         t0 = probe.clock()
         flat.div_(self.world_size)
+        if check is not None:
+            check.launch()
         work = dist.all_reduce(flat, group=self.group, async_op=True)
 
-        def done(f):
-            f.value()
+        def done(_):
             probe.tock("comm_s", t0)
+            if check is not None:
+                check.verify()
+            with self._journal.lock:
+                if att.failed:
+                    undo.again()
+                    raise self._not_applied(att, key, "dense")
             return tensor
 
-        return work.get_future().then(done)
+        return chain(work.get_future(), done, f"PowerSGD: {_label(key)}: the dense allreduce",
+                     on_error=lambda e: self._failed(att, key, "dense", prefer_mismatch(check)(e), undo),
+                     device=flat.device)
 
     def end_step(self) -> None:
+        """End the step (the counter advances unless the step failed: it is then tried again)."""
+        self._journal.end_step(self._advance)
+
+    def _advance(self) -> None:
         self.iter += 1
 
     def _warn_once(self, key, msg: str) -> None:
@@ -466,6 +599,50 @@ class _LowRank:
 
     def stats(self) -> dict:
         return self._stats.summary()
+
+    def options(self) -> dict:
+        """The options a checkpoint records (PowerSGDState's names)."""
+        return {"matrix_approximation_rank": self.opts["rank"], "min_compression_rate": self.opts["min_compression_rate"],
+                "use_error_feedback": self.error_feedback, "warm_start": self.warm_start,
+                "orthogonalization_epsilon": self.epsilon, "random_seed": self.random_seed, "q_init": self.q_init,
+                "min_compress_numel": self.opts["min_compress_numel"]}
+
+    def state_dict(self) -> dict:
+        """This rank's state (see :meth:`PowerSGDState.state_dict`, without next_stats_report)."""
+        self._stats.settle()
+        return {"version": PICKLE_VERSION, "kind": "powersgd", "world_size": self.world_size, "rank": self.rank,
+                "iter": self.iter, "options": self.options(), "residuals": self.store.state(), "q": self.q_state(),
+                "rng": self.rng.get_state(), "numel_before": self.numel_before, "numel_after": self.numel_after}
+
+    def load_state_dict(self, sd: dict, strict: bool, who: str) -> None:
+        """Load a :meth:`state_dict` (see :meth:`PowerSGDState.load_state_dict`; ``who`` names the
+        caller in messages)."""
+        if not isinstance(sd, dict) or sd.get("kind") != "powersgd":
+            raise ValueError(f"{who}.load_state_dict: not a PowerSGD state_dict (no kind='powersgd')")
+        mine = self.options()
+        diffs = [f"{k}: saved {v!r}, current {mine.get(k)!r}" for k, v in sd.get("options", {}).items()
+                 if mine.get(k) != v]
+        if int(sd.get("rank", self.rank)) != self.rank and int(sd.get("world_size", self.world_size)) == self.world_size:
+            diffs.insert(0, f"rank: saved {sd.get('rank')}, current {self.rank} (checkpoints are per rank)")
+        if diffs:
+            msg = f"{who}.load_state_dict: " + "; ".join(diffs)
+            if strict:
+                raise ValueError(msg + " (strict=False loads it anyway)")
+            log.warning("gradcomp: %s; loading anyway (strict=False)", msg)
+        self.iter = int(sd["iter"])
+        self.numel_before = int(sd.get("numel_before", 0))
+        self.numel_after = int(sd.get("numel_after", 0))
+        if "rng" in sd:
+            self.rng.set_state(sd["rng"])
+        if int(sd.get("world_size", self.world_size)) != self.world_size:
+            log.warning("gradcomp: PowerSGD checkpoint of world size %s loaded at world size %d: residuals and Qs "
+                        "dropped", sd.get("world_size"), self.world_size)
+            return
+        for name in list(self.store.state()):
+            self.store.load(name, torch.zeros(self.store.length(name), dtype=torch.float32))
+        for name, t in sd.get("residuals", {}).items():
+            self.store.load(name, t.detach().to(torch.float32).reshape(-1))
+        self.load_q(sd.get("q", {}))
 
 
 def _label(key) -> str:
@@ -662,22 +839,14 @@ class PowerSGDState:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _options(self) -> dict:
-        e = self._engine
-        return {"matrix_approximation_rank": e.opts["rank"], "min_compression_rate": e.opts["min_compression_rate"],
-                "use_error_feedback": e.error_feedback, "warm_start": e.warm_start,
-                "orthogonalization_epsilon": e.epsilon, "random_seed": e.random_seed, "q_init": e.q_init,
-                "min_compress_numel": e.opts["min_compress_numel"]}
+        return self._engine.options()
 
     def state_dict(self) -> dict:
         """Per-rank state: ``{"version", "kind": "powersgd", "world_size", "rank", "iter",
-        "options", "residuals": {name: float32 1-D}, "q": {name: float32 1-D (m * r)}, "rng"}``.
-        Residuals differ per rank: save one file per rank."""
-        e = self._engine
-        e._stats.settle()
-        return {"version": PICKLE_VERSION, "kind": "powersgd", "world_size": e.world_size, "rank": e.rank,
-                "iter": e.iter, "options": self._options(), "residuals": e.store.state(), "q": e.q_state(),
-                "rng": e.rng.get_state(), "numel_before": e.numel_before, "numel_after": e.numel_after,
-                "next_stats_report": self.next_stats_report}
+        "options", "residuals": {name: float32 1-D}, "q": {name: float32 1-D (m * r)}, "rng",
+        "numel_before", "numel_after", "next_stats_report"}``. Residuals differ per rank: save one
+        file per rank."""
+        return dict(self._engine.state_dict(), next_stats_report=self.next_stats_report)
 
     def load_state_dict(self, sd: dict, strict: bool = True) -> None:
         """Load a :meth:`state_dict` of the same rank, bit-exact (residuals, Qs, ``iter``, the
@@ -692,33 +861,8 @@ class PowerSGDState:
             ValueError: not a PowerSGD state_dict, or (strict) a mismatch as above. Nothing is
                 loaded when it raises.
         """
-        e = self._engine
-        if not isinstance(sd, dict) or sd.get("kind") != "powersgd":
-            raise ValueError("PowerSGDState.load_state_dict: not a PowerSGD state_dict (no kind='powersgd')")
-        diffs = [f"{k}: saved {v!r}, current {self._options().get(k)!r}" for k, v in sd.get("options", {}).items()
-                 if self._options().get(k) != v]
-        if int(sd.get("rank", e.rank)) != e.rank and int(sd.get("world_size", e.world_size)) == e.world_size:
-            diffs.insert(0, f"rank: saved {sd.get('rank')}, current {e.rank} (checkpoints are per rank)")
-        if diffs:
-            msg = "PowerSGDState.load_state_dict: " + "; ".join(diffs)
-            if strict:
-                raise ValueError(msg + " (strict=False loads it anyway)")
-            log.warning("gradcomp: %s; loading anyway (strict=False)", msg)
-        e.iter = int(sd["iter"])
-        e.numel_before = int(sd.get("numel_before", 0))
-        e.numel_after = int(sd.get("numel_after", 0))
+        self._engine.load_state_dict(sd, strict, "PowerSGDState")
         self.next_stats_report = int(sd.get("next_stats_report", 0))
-        if "rng" in sd:
-            e.rng.set_state(sd["rng"])
-        if int(sd.get("world_size", e.world_size)) != e.world_size:
-            log.warning("gradcomp: PowerSGD checkpoint of world size %s loaded at world size %d: residuals and Qs "
-                        "dropped", sd.get("world_size"), e.world_size)
-            return
-        for name in list(e.store.state()):
-            e.store.load(name, torch.zeros(e.store.length(name), dtype=torch.float32))
-        for name, t in sd.get("residuals", {}).items():
-            e.store.load(name, t.detach().to(torch.float32).reshape(-1))
-        e.load_q(sd.get("q", {}))
 
     def __getstate__(self) -> dict:
         log.warning("gradcomp: PowerSGDState pickled without its process group and DDP model; after loading, "
@@ -815,6 +959,21 @@ class PowerSGDCompressor:
     def end_step(self) -> None:
         """End the current step (a new Philox stream for the Qs drawn next)."""
         self._engine.end_step()
+        self._step_names.clear()
+
+    def state_dict(self) -> dict:
+        """Per-rank state, as :meth:`PowerSGDState.state_dict`: residuals and Qs by name, ``iter``,
+        the options (residuals differ per rank: save one file per rank)."""
+        return self._engine.state_dict()
+
+    def load_state_dict(self, sd: dict, strict: bool = True) -> None:
+        """Load a :meth:`state_dict` of the same rank, bit-exact (as
+        :meth:`PowerSGDState.load_state_dict`, whose checkpoints it also reads).
+
+        Raises:
+            ValueError: not a PowerSGD state_dict, or (strict) another rank or other options.
+        """
+        self._engine.load_state_dict(sd, strict, "PowerSGDCompressor")
         self._step_names.clear()
 
     def residual(self, name: str) -> torch.Tensor:

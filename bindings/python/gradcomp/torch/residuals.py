@@ -8,7 +8,8 @@ A :class:`ResidualStore` holds:
 
 - layouts (:class:`Layout`): one per bucket layout, i.e. per (numel, dtype, device, parameter
   map); a layout owns flat float32 slots of its numel -- ``"residual"`` (the worker residual),
-  one backup per slot under ``nonfinite="restore"`` -- and the map ``[(key, offset, length)]``
+  one backup per slot (the value before the step: what a non-finite step under
+  ``nonfinite="restore"`` and a failed step put back) -- and the map ``[(key, offset, length)]``
   (elements of the flat bucket; a parameter's residual is ``residual[offset:offset + length]``,
   in the gradient's memory order);
 - parameter homes: for each parameter key (a name) either its slice in a layout or, between
@@ -19,6 +20,8 @@ A :class:`ResidualStore` holds:
   and loses it; under ``"restore"`` a copy comes back as pending if the step turns out non-finite
   (the Compressor decides, one step late);
 - restore/reset after a non-finite step, on the device with no host synchronization;
+- undo of a failed step (:mod:`gradcomp.torch.journal`): :meth:`ResidualStore.restore` puts a
+  layout's backups back, :meth:`ResidualStore.unflush` gives flushed residuals back;
 - rescaling by a device scalar (a loss scale that changed, :meth:`ResidualStore.scale_`);
 - state as ``{key: float32 1-D tensor}`` for checkpoints;
 - server residuals of the ``two_phase`` scheme (below).
@@ -80,7 +83,8 @@ class Layout:
         slots: slot name -> float32 tensor, allocated by :meth:`ResidualStore.activate`:
             ``"residual"`` (``numel`` elements) and, for two_phase, ``"server"`` (``chunk``'s
             count).
-        backups: slot name -> float32 copy taken before a step (``nonfinite="restore"`` only).
+        backups: slot name -> float32 copy taken before a step (both modes: a failed step is
+            undone from it).
         chunk: ``(start, count, world_size)`` of the ``"server"`` slot (two_phase), else None.
         homed: every parameter of the map has its home in this layout.
         server_live: the ``"server"`` slot may hold mass (it was handed to a scheme or loaded
@@ -110,8 +114,8 @@ class ResidualStore:
     """Residual layouts and parameter homes for one compressor on one rank.
 
     Args:
-        nonfinite: ``"restore"`` (keep a backup of each slot; a non-finite step puts it back) or
-            ``"reset"`` (a non-finite step zeroes the slots; no extra memory).
+        nonfinite: ``"restore"`` (a non-finite step puts each slot's backup back) or ``"reset"``
+            (a non-finite step zeroes the slots). Both keep the backup: it undoes a failed step.
         slot_names: the float32 slots a layout holds once activated (default ``("residual",)``;
             a two-level scheme would add a server residual, DGC a momentum).
 
@@ -147,7 +151,7 @@ class ResidualStore:
         return list(self._layouts.values())
 
     def activate(self, lay: Layout, server: Optional[Tuple[int, int, int]] = None) -> None:
-        """Allocate the layout's slots (zeros; plus backups under ``"restore"``) and move every
+        """Allocate the layout's slots (zeros; plus their backups) and move every
         parameter of its map home: a residual held elsewhere (an older layout, folded first, or
         pending) is copied into its slice once and released there. ``server`` = ``(start,
         count, world_size)`` gives the layout a ``"server"`` slot of ``count`` elements (two_phase;
@@ -157,9 +161,8 @@ class ResidualStore:
         if lay.residual is None:
             for name in self.slot_names:
                 lay.slots[name] = torch.zeros(lay.numel, dtype=torch.float32, device=lay.device)
-            if self.nonfinite == "restore":
-                for name, t in lay.slots.items():
-                    lay.backups[name] = torch.empty_like(t)
+            for name, t in lay.slots.items():
+                lay.backups[name] = torch.empty_like(t)
         if server is not None:
             server = (int(server[0]), int(server[1]), int(server[2]))
         if lay.chunk != server:
@@ -170,8 +173,7 @@ class ResidualStore:
             lay.server_live = False
             if server is not None:
                 lay.slots["server"] = torch.zeros(server[1], dtype=torch.float32, device=lay.device)
-                if self.nonfinite == "restore":
-                    lay.backups["server"] = torch.empty_like(lay.slots["server"])
+                lay.backups["server"] = torch.empty_like(lay.slots["server"])
         if lay.homed:
             return
         self._resolve_pending_server(lay)
@@ -199,11 +201,18 @@ class ResidualStore:
         return out
 
     def snapshot(self, lay: Layout, names: Optional[Sequence[str]] = None) -> None:
-        """Before a step (``"restore"``): copy every slot (or those of ``names``) into its backup
-        (on the device)."""
+        """Before a step: copy every slot (or those of ``names``) into its backup (on the
+        device)."""
         for name, b in lay.backups.items():
             if names is None or name in names:
                 b.copy_(lay.slots[name])
+
+    def restore(self, lay: Layout, names: Optional[Sequence[str]] = None) -> None:
+        """Undo a failed step: copy the backups taken by :meth:`snapshot` back into the slots (or
+        those of ``names``), on the device."""
+        for name, b in lay.backups.items():
+            if (names is None or name in names) and name in lay.slots:
+                lay.slots[name].copy_(b)
 
     def settle(self, lay: Layout, nonfinite: torch.Tensor, names: Optional[Sequence[str]] = None) -> None:
         """After a step, with ``nonfinite`` a 0-dim device bool (the averaged result held a
@@ -232,7 +241,7 @@ class ResidualStore:
         module docstring (b)), and so are loaded server residuals naming its parameters.
 
         Returns ``[(key, saved)]`` for every flushed parameter, ``saved`` being a float32 copy of
-        the residual under ``"restore"`` (else None), for :meth:`keep_flushed`.
+        the residual, for :meth:`keep_flushed` and :meth:`unflush`.
         """
         self._fold(lay)
         names = {k for k, _, _ in lay.params}
@@ -247,7 +256,7 @@ class ResidualStore:
             src = self._tensor(key)
             if src is None:
                 continue
-            saved = src.clone() if self.nonfinite == "restore" else None
+            saved = src.clone()
             flat[off: off + cnt].add_(src.to(flat.dtype))
             self._release(key)
             flushed.append((key, saved))
@@ -257,8 +266,11 @@ class ResidualStore:
         """After the dense allreduce of flushed parameters: each saved residual comes back as
         pending, ``where(nonfinite, saved, 0)`` (so a non-finite step loses nothing), unless the
         parameter already has a home again. Returns the ``[(key, pending tensor)]`` set, which the
-        caller drops through :meth:`drop_pending` once the step is known finite."""
+        caller drops through :meth:`drop_pending` once the step is known finite. Under
+        ``"reset"`` nothing comes back (a non-finite step zeroes residuals)."""
         kept = []
+        if self.nonfinite != "restore":
+            return kept
         for key, saved in flushed:
             if saved is None:
                 continue
@@ -267,6 +279,18 @@ class ResidualStore:
                 self._pending[key] = pend
                 kept.append((key, pend))
         return kept
+
+    def unflush(self, flushed) -> None:
+        """Undo :meth:`flush` (a failed step): each parameter's saved residual comes back, into
+        its slice when a layout has taken it since (that layout's own undo ran first), else as
+        pending."""
+        for key, saved in flushed:
+            home = self._slice.get(key)
+            if home is not None:
+                lay, off, n = home
+                lay.residual[off: off + n].copy_(saved.to(lay.device))
+            else:
+                self._pending[key] = saved.clone()
 
     def drop_pending(self, key: str, tensor: torch.Tensor) -> None:
         """Forget ``key``'s pending residual if it is still ``tensor`` (the step was finite)."""

@@ -14,6 +14,12 @@ later:
   and carries the CORRUPT bit, ``on_corrupt="raise"`` raises :class:`gradcomp.CorruptPacketError`
   naming the step and the bucket, ``"log"`` logs a warning. (On the CPU a corrupt packet already
   raises inside decode.)
+- the ranks' call descriptors on CUDA (:class:`gradcomp.schemes.check.PeerCheck`): copied into
+  pinned memory behind an event and compared when landed; a mismatch raises
+  :class:`gradcomp.RankMismatchError` naming the step (on the CPU it raises in the step itself).
+
+A failed step (:meth:`Stats.fail`) is dropped: counted in ``failed_steps``, left out of the totals
+and of ``steps``; its retry gets a fresh record.
 
 Byte counts come from :mod:`gradcomp.planner`; so do the ratios of :meth:`Stats.summary`.
 
@@ -91,6 +97,7 @@ class StepRecord:
         self.nf_event = None
         self.cuda_times: list = []  # (start event, end event, field, bucket dict)
         self.on_finite: List[Callable[[], None]] = []
+        self.failed = False
 
     def __getstate__(self) -> dict:
         """Step, counters, bucket dicts and the flag (on the host); events, pending timings and
@@ -165,6 +172,8 @@ class Stats:
         self.log_every = log_every
         self.lock = threading.Lock()
         self.nonfinite_steps = 0
+        self.failed_steps = 0
+        self._checks: list = []  # (PeerCheck, pinned host rows, event) on their way (CUDA)
         self._cur: Optional[StepRecord] = None
         self._closed_total = {f: 0.0 for f in FIELDS}
         self._closed_steps = 0
@@ -178,10 +187,12 @@ class Stats:
         with self.lock:
             d = dict(self.__dict__)
         del d["lock"]
-        d["_unresolved"], d["_status"] = [], []
+        d["_unresolved"], d["_status"], d["_checks"] = [], [], []
         return d
 
     def __setstate__(self, d: dict) -> None:
+        d.setdefault("failed_steps", 0)
+        d.setdefault("_checks", [])
         self.__dict__.update(d)
         self.lock = threading.Lock()
         if self.log_every:
@@ -195,7 +206,8 @@ class Stats:
             gradcomp.CorruptPacketError: as :meth:`resolve`.
         """
         with self.lock:
-            events = [r.nf_event for r in self._unresolved] + [s.event for s in self._status]
+            events = ([r.nf_event for r in self._unresolved] + [s.event for s in self._status]
+                      + [c[2] for c in self._checks])
         for e in events:
             if e is not None:
                 e.synchronize()
@@ -225,6 +237,17 @@ class Stats:
             if old is not None:
                 self._close(old)
         return self._cur
+
+    def fail(self, rec: StepRecord) -> None:
+        """Drop the record of a failed step (counted in ``failed_steps``, not in the totals); the
+        next :meth:`record` of that step starts a fresh one."""
+        with self.lock:
+            if rec.failed:
+                return
+            rec.failed = True
+            self.failed_steps += 1
+            if self._cur is rec:
+                self._cur = None
 
     def account(self, rec: StepRecord, b: dict) -> None:
         """Add the bucket dict ``b`` (``numel``, the ``planner.bucket_bytes`` fields, ``scheme``)
@@ -274,6 +297,20 @@ class Stats:
         with self.lock:
             self._status.append(_StatusCopy(step, label, host, event))
 
+    def expect_check(self, check, host: torch.Tensor, event) -> None:
+        """Queue the all-gathered call descriptors of a CUDA :class:`gradcomp.schemes.check.
+        PeerCheck`: ``host`` (pinned int64 rows) is valid once ``event`` has completed; they are
+        compared then (:meth:`resolve`)."""
+        with self.lock:
+            self._checks.append((check, host, event))
+
+    def _resolve_checks(self) -> None:
+        with self.lock:
+            landed = [c for c in self._checks if c[2] is None or c[2].query()]
+            self._checks = [c for c in self._checks if not (c[2] is None or c[2].query())]
+        for check, host, _ in landed:
+            check.compare(host)  # raises RankMismatchError (read one step late on CUDA)
+
     def _resolve_status(self) -> None:
         with self.lock:
             keep, corrupt = [], []
@@ -321,6 +358,7 @@ class Stats:
                      rec.step, s["numel"], s["packet_bytes"], s["sent_bytes"], s["packet_ratio"],
                      s["wire_ratio"], s["bits_per_element"], 1e3 * s["encode_s"], 1e3 * s["comm_s"],
                      1e3 * s["decode_s"])
+        self._resolve_checks()
         self._resolve_status()
 
     def resolve(self) -> None:
@@ -328,6 +366,7 @@ class Stats:
         (a finite step runs its ``on_finite`` callables), then the CUDA status words (may raise
         CorruptPacketError under ``on_corrupt="raise"``)."""
         self._resolve_flags()
+        self._resolve_checks()
         self._resolve_status()
 
     def _resolve_flags(self) -> None:
@@ -355,7 +394,8 @@ class Stats:
         return out
 
     def summary(self) -> dict:
-        """``{"steps", "world_size", "codec", "nonfinite_steps", "step", "total", "buckets"}``:
+        """``{"steps", "world_size", "codec", "nonfinite_steps", "failed_steps", "step", "total",
+        "buckets"}``:
         ``step`` (the most recent step, open or closed) and ``total`` (all steps) hold the
         ``FIELDS`` and ``packet_ratio``, ``wire_ratio``, ``bits_per_element``; ``buckets`` are
         the per-bucket dicts of the most recent step. Resolves what has landed first (may raise
@@ -372,5 +412,5 @@ class Stats:
             buckets = [dict(b) for b in last.buckets] if last is not None else []
         self.resolve()
         return {"steps": steps, "world_size": self.world_size, "codec": self.codec_spec,
-                "nonfinite_steps": self.nonfinite_steps, "step": step,
+                "nonfinite_steps": self.nonfinite_steps, "failed_steps": self.failed_steps, "step": step,
                 "total": self._summary(total), "buckets": buckets}

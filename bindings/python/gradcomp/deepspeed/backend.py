@@ -30,6 +30,15 @@ communication (DeepSpeed PR 7769).
 A NaN or infinity in buffer_m makes that call's scale, result and both error buffers NaN, and
 the error buffers keep it (as DeepSpeed's): zero them (``worker_error.zero_()``) to start over.
 
+A failed call loses nothing (unlike DeepSpeed's, which leaves the error buffers updated by the
+encodes that ran): when a collective fails (a peer died, a timeout) or a server packet does not
+match, both error buffers are put back as they were before the call (from copies taken at its
+start) and :class:`gradcomp.CollectiveError` (or :class:`gradcomp.RankMismatchError`) is raised,
+naming the call, the element count and the collective; ``buffer_m`` is written only after every
+server packet has arrived and passed its header check. A rank whose phase-one work fails still
+takes part in the all-gather with an empty packet, so the other ranks raise too (naming it)
+instead of waiting for the process group's timeout.
+
 Raises:
     ValueError: buffer_m not floating (float32, float16, bfloat16, float64), Np not a multiple of
         8 W, Np < numel, server_error not Np / W elements, error buffers not float32, not
@@ -44,6 +53,9 @@ import torch
 import torch.distributed as dist
 
 from ..codec import Codec, aligned_empty
+from ..errors import in_context
+from ..schemes.check import check_headers
+from ..schemes.context import collective_failed
 
 _CODEC = "onebit"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -72,6 +84,7 @@ class OnebitBackend:
         self.codec = Codec(_CODEC)
         self._alpha = float(torch.tensor(1.0 / self.size, dtype=torch.float32))  # fl32(1 / W), DeepSpeed's factor
         self._templates: Dict[tuple, torch.Tensor] = {}
+        self.calls = 0  # compressed_allreduce calls so far (named in error messages)
 
     # -- helpers -------------------------------------------------------------------------------
     def _template(self, numel: int, device) -> torch.Tensor:
@@ -90,7 +103,14 @@ class OnebitBackend:
         Returns a tensor of buffer_m's shape and dtype, identical on every rank; writes it into
         ``buffer_m`` when its numel equals worker_error's; updates both error buffers in place.
         ``local_rank`` is accepted for DeepSpeed's signature and not used (the device is
-        buffer_m's)."""
+        buffer_m's).
+
+        Raises:
+            ValueError: bad buffers (module docstring), before anything is sent.
+            gradcomp.CollectiveError: a collective failed; gradcomp.RankMismatchError: a server
+                packet of another size or codec, or a rank that failed before the all-gather.
+                Both error buffers are then as they were before the call.
+        """
         W = self.size
         shape, n = buffer_m.shape, buffer_m.numel()
         if buffer_m.dtype not in _FLOATS:
@@ -114,6 +134,19 @@ class OnebitBackend:
             raise ValueError(f"OnebitBackend.compressed_allreduce: server_error has {server_error.numel()} "
                              f"elements and worker_error {Np}; accepted: server_error = worker_error / world size "
                              f"({W}) elements")
+        self.calls += 1
+        saved = (worker_error.clone(), server_error.clone())
+        try:
+            return self._exchange(buffer_m, worker_error, server_error, shape, n, Np, C)
+        except Exception as e:  # noqa: BLE001 - undone, raised with its context
+            worker_error.copy_(saved[0])
+            server_error.copy_(saved[1])
+            raise in_context(e, f"gradcomp.deepspeed.OnebitBackend.compressed_allreduce (call {self.calls}, {n} "
+                                f"elements padded to {Np}, world size {W}; both error buffers are as before the "
+                                f"call)") from e
+
+    def _exchange(self, buffer_m, worker_error, server_error, shape, n: int, Np: int, C: int) -> torch.Tensor:
+        W = self.size
         flat = buffer_m.reshape(-1)
         # a float32 buffer of exactly Np elements is worked on in its own storage (as DeepSpeed
         # does): read by the worker encode, then overwritten by the result
@@ -132,22 +165,36 @@ class OnebitBackend:
         send[:, :cb] = p1[boff: boff + Np // 8].view(W, cb)
         send[:, cb:] = p1[soff: soff + 4].view(1, 4)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        try:
+            dist.all_to_all_single(recv, send, group=self.group)
+        except Exception as e:  # noqa: BLE001 - named, cause kept
+            raise collective_failed("the all-to-all of the worker signs", e) from e
         # server: rank order, float32 from +0.0, each term fl(+-s_i * fl(1 / W))
         tmpl = self._template(C, buf.device)
-        clay = self.codec.layout(C, "float32")["sections"]
-        cboff, csoff = clay[0][1], clay[1][1]
-        acc = torch.zeros(C, dtype=torch.float32, device=buf.device)
-        pk = aligned_empty(buf, tmpl.numel())
-        pk.copy_(tmpl)  # the header; each rank's bits and scale go in below
-        for i in range(W):
-            pk[cboff: cboff + cb] = recv[i, :cb]
-            pk[csoff: csoff + 4] = recv[i, cb:]
-            self.codec.decode(pk, out=acc, accumulate=True, alpha=self._alpha)
-        p2 = self.codec.encode(acc, residual=server_error)
-        P2 = p2.numel()  # a multiple of 16: every rank's packet in `gathered` stays 16-byte aligned
+        P2 = tmpl.numel()  # a multiple of 16: every rank's packet in `gathered` stays 16-byte aligned
+        failed = None
+        try:
+            clay = self.codec.layout(C, "float32")["sections"]
+            cboff, csoff = clay[0][1], clay[1][1]
+            acc = torch.zeros(C, dtype=torch.float32, device=buf.device)
+            pk = aligned_empty(buf, P2)
+            pk.copy_(tmpl)  # the header; each rank's bits and scale go in below
+            for i in range(W):
+                pk[cboff: cboff + cb] = recv[i, :cb]
+                pk[csoff: csoff + 4] = recv[i, cb:]
+                self.codec.decode(pk, out=acc, accumulate=True, alpha=self._alpha)
+            p2 = self.codec.encode(acc, residual=server_error)
+        except Exception as e:  # noqa: BLE001 - raised after the all-gather, so no rank waits for this one
+            failed = e
+            p2 = torch.zeros(P2, dtype=torch.uint8, device=buf.device)
         gathered = aligned_empty(buf, W * P2)
-        dist.all_gather_into_tensor(gathered, p2, group=self.group)
+        try:
+            dist.all_gather_into_tensor(gathered, p2, group=self.group)
+        except Exception as e:  # noqa: BLE001 - named, cause kept
+            raise collective_failed("the all-gather of the server packets", e) from e
+        if failed is not None:
+            raise failed
+        check_headers(gathered, P2, [(j, C) for j in range(W)], tmpl, "float32", "the all-gather of the server packets")
         out = buf if inplace else torch.empty(Np, dtype=torch.float32, device=buf.device)
         for j in range(W):
             self.codec.decode(gathered[j * P2:(j + 1) * P2], out=out[j * C:(j + 1) * C])

@@ -9,6 +9,7 @@ Not public: use the optimizers, :func:`gradcomp.optim.register_comm_hook` and
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Dict, List, Optional
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .. import planner
+from ..errors import CollectiveError, in_context
+from ..schemes.context import collective_failed
 
 
 class OnebitOptimizer(torch.optim.Optimizer):
@@ -33,9 +36,25 @@ class OnebitOptimizer(torch.optim.Optimizer):
             DDP (with :func:`register_comm_hook`, which leaves them local after the warm-up) or a
             DeepSpeed engine (:func:`gradcomp.deepspeed.install` sets it).
 
+    A step that fails (a collective fails: a peer died, a timeout; a server packet does not
+    match) is undone on every rank that raises: the parameters, the optimizer state (error
+    buffers, momenta, step counts) and the stage flags are put back as they were before the step
+    from a copy taken at its start, and :class:`gradcomp.CollectiveError` is raised naming the
+    optimizer and the step, so a checkpoint written then resumes exactly. The copy covers the
+    parameters and their state when the step exchanges inside its update loop (the compression
+    stage; ZeroOneAdam after its first step) and only the counters otherwise; set
+    ``opt.undo_failed_steps = False`` to save that memory and time (a failed step then leaves the
+    state partly updated). An error of the closure is re-raised unchanged, after the same undo.
+
     Raises:
         ValueError: freeze_step not an int >= 1.
     """
+
+    _STEP_ATTRS = ("initialized", "compression_stage", "dense_next", "_stats")
+    """The optimizer's own attributes a step may change (a failed step puts them back)."""
+
+    undo_failed_steps = True
+    """Copy what a step changes, so that a failed step is undone (class docstring)."""
 
     def __init__(self, params, defaults: dict, freeze_step: int, group=None, average_gradients: bool = True):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
@@ -61,6 +80,79 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._engine = None
         self._stats = {"steps": 0, "warmup_steps": 0, "compressed_steps": 0, "dense_sent_bytes": 0.0,
                        "compressed_sent_bytes": 0.0, "packet_bytes": 0, "exchanged_dense_bytes": 0}
+
+    # -- a step, undone when it fails -----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None) -> Optional[torch.Tensor]:
+        """One optimization step (see the class docstring). Returns the closure's loss.
+
+        Raises:
+            gradcomp.CollectiveError: an exchange failed (a peer died, a timeout; a
+                RankMismatchError when server packets do not match); the step is undone first.
+            RuntimeError: sparse gradients.
+        """
+        if self.size == 1:
+            return self._step(closure)
+        number = self._stats["steps"] + 1
+        saved = self._save(full=self.undo_failed_steps and self._exchanges_in_loop())
+        try:
+            return self._step(closure)
+        except Exception as e:  # noqa: BLE001 - undone, then raised (with context when it is a collective's)
+            self._restore(saved)
+            if isinstance(e, CollectiveError):
+                raise in_context(e, f"gradcomp.optim.{type(self).__name__}: step {number} failed; the parameters, "
+                                    f"the optimizer state (error buffers included) and the step counts are as "
+                                    f"before it") from e
+            raise
+
+    def _exchanges_in_loop(self) -> bool:
+        """Whether this step may exchange after it changed parameters or state (then a failed
+        step needs a copy of them to be undone)."""
+        return True
+
+    def _step(self, closure) -> Optional[torch.Tensor]:  # pragma: no cover - each optimizer's
+        raise NotImplementedError
+
+    def _save(self, full: bool) -> dict:
+        """What the step may change: the optimizer's ``_STEP_ATTRS`` always; with ``full`` also
+        every parameter and its state (tensors cloned, the rest deep-copied)."""
+        def keep(v):
+            return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+        out = {"attrs": {k: keep(getattr(self, k, None)) for k in self._STEP_ATTRS}, "params": []}
+        if full:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    st = self.state.get(p)
+                    out["params"].append((p, p.detach().clone(),
+                                          None if st is None else {k: keep(v) for k, v in st.items()}))
+        return out
+
+    def _restore(self, saved: dict) -> None:
+        """Put back what :meth:`_save` kept. Tensors are copied into the current ones when their
+        shape and dtype match (views of them, e.g. OnebitLamb's momenta in its flat buffer, follow),
+        else replaced; state keys the step added are removed; the engine's allreduce flag follows
+        ``dense_next``."""
+        def put(cur, old):
+            if (isinstance(cur, torch.Tensor) and isinstance(old, torch.Tensor) and cur.shape == old.shape
+                    and cur.dtype == old.dtype):
+                cur.copy_(old)
+                return cur
+            return old
+
+        for k, v in saved["attrs"].items():
+            setattr(self, k, put(getattr(self, k, None), v))
+        for p, data, st in saved["params"]:
+            p.copy_(data)
+            if st is None:
+                self.state.pop(p, None)
+                continue
+            cur = self.state[p]
+            for k in [k for k in cur if k not in st]:
+                del cur[k]
+            for k, v in st.items():
+                cur[k] = put(cur.get(k), v)
+        self._set_engine_allreduce(self.dense_next)
 
     # -- communication -------------------------------------------------------------------------
     @property
@@ -97,7 +189,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
             by_kind.setdefault((t.dtype, t.device), []).append(t)
         for ts in by_kind.values():
             flat = torch.cat([t.reshape(-1) for t in ts])
-            dist.all_reduce(flat, group=self.group)
+            try:
+                dist.all_reduce(flat, group=self.group)
+            except Exception as e:  # noqa: BLE001 - named, cause kept
+                raise collective_failed("the dense allreduce of the gradients", e) from e
             flat.mul_(1.0 / self.size)
             self.count_dense(flat.numel() * flat.element_size())
             off = 0

@@ -63,9 +63,11 @@ class OnebitAdam(OnebitOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), freeze_step,
                          group=group, average_gradients=average_gradients)
 
-    @torch.no_grad()
-    def step(self, closure=None) -> Optional[torch.Tensor]:
-        """One optimization step (see the class docstring). Returns the closure's loss."""
+    def _exchanges_in_loop(self) -> bool:
+        return self.initialized and self.compression_stage
+
+    def _step(self, closure) -> Optional[torch.Tensor]:
+        """The step itself (:meth:`step` runs it, undone if it fails)."""
         comp = self.compression_stage
         loss, first = self._begin_step(closure)
         last_step = None

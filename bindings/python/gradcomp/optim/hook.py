@@ -7,6 +7,7 @@ the local gradient in place, because the optimizer then exchanges its compressed
 import torch
 import torch.distributed as dist
 
+from ..schemes.context import chain
 from ._base import OnebitOptimizer
 
 
@@ -27,7 +28,8 @@ def onebit_comm_hook(state: OnebitOptimizer, bucket: dist.GradBucket) -> torch.f
     state.count_dense(buf.numel() * buf.element_size())
     W = state.size
     work = dist.all_reduce(buf, group=state.group, async_op=True)
-    return work.get_future().then(lambda f: f.value()[0].div_(W))
+    return chain(work.get_future(), lambda v: v[0].div_(W),
+                 f"gradcomp.optim: bucket {bucket.index()}: the dense allreduce of the warm-up", device=buf.device)
 
 
 def register_comm_hook(ddp_model, optimizer: OnebitOptimizer) -> None:

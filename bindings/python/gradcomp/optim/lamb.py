@@ -155,9 +155,13 @@ class OnebitLamb(OnebitOptimizer):
             self._padding = None
         self._flat = flat
 
-    @torch.no_grad()
-    def step(self, closure=None) -> Optional[torch.Tensor]:
-        """One optimization step (see the class docstring). Returns the closure's loss."""
+    _STEP_ATTRS = OnebitOptimizer._STEP_ATTRS + ("_flat", "worker_error", "server_error", "lamb_coeffs", "_padding")
+
+    def _exchanges_in_loop(self) -> bool:
+        return self.compression_stage
+
+    def _step(self, closure) -> Optional[torch.Tensor]:
+        """The step itself (:meth:`step` runs it, undone if it fails)."""
         params = self._params()
         self.lamb_coeffs = []
         comp = self.compression_stage

@@ -97,9 +97,13 @@ class ZeroOneAdam(OnebitOptimizer):
                 out.mul_(mask.to(out.device))
         return out
 
-    @torch.no_grad()
-    def step(self, closure=None) -> Optional[torch.Tensor]:
-        """One optimization step (see the class docstring). Returns the closure's loss."""
+    _STEP_ATTRS = OnebitOptimizer._STEP_ATTRS + ("errors_reset",)
+
+    def _exchanges_in_loop(self) -> bool:
+        return self.initialized
+
+    def _step(self, closure) -> Optional[torch.Tensor]:
+        """The step itself (:meth:`step` runs it, undone if it fails)."""
         frozen = self.compression_stage
         loss, first = self._begin_step(closure)
         engine_flag = None

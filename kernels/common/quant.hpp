@@ -45,7 +45,10 @@ template <int M, int Bias> GRADCOMP_HD uint32_t fp8_magnitude(uint32_t a) {
   const float rv = add_raw(add_raw(bits_float(a), c), -c);
   const uint32_t rb = float_bits(rv);
   const uint32_t normal = (rb >> (23 - M)) - (uint32_t(127 - Bias) << M);
-  const uint32_t sub = uint32_t(int32_t(mul_raw(rv, bits_float(uint32_t(127 + Bias - 1 + M) << 23))));
+  // the subnormal branch converts only values below 2^(1 - Bias) (a select, not a branch: the
+  // loops still vectorize); converting every rv would be undefined for |rv| >= 2^31 (UBSan)
+  const float sv = rb < kMinNormal ? rv : 0.0f;
+  const uint32_t sub = uint32_t(int32_t(mul_raw(sv, bits_float(uint32_t(127 + Bias - 1 + M) << 23))));
   return rb < kMinNormal ? sub : normal;
 }
 

@@ -9,7 +9,9 @@ once armed, and at the armed call index does one of:
   - ``stall``: sleep far longer than the process group's timeout, then issue it (the peers time out);
   - ``raise``: fail it in place, as a closed connection does (a RuntimeError at once for a
     blocking call, a Work whose Future fails for an async one); armed on every rank at the same
-    index, so the ranks stay in step without a process dying.
+    index, so the ranks stay in step without a process dying;
+  - ``corrupt``: run it, then overwrite bytes 32-35 of its output (a top-k packet's first index)
+    with 0xFF, on every rank: the decode then fails the same way everywhere.
 
 A scenario runs ``good`` steps, saves the state it must not lose, arms the faults (on the victim
 rank, or on every rank for ``raise``), runs one more step, and reports whether it raised, the
@@ -47,6 +49,21 @@ class FailedWork:
         raise self.e
 
     def is_completed(self):
+        return True
+
+
+class DoneWork:
+    """A completed Work holding ``tensor`` (what ``corrupt`` returns for an async collective)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def get_future(self):
+        f = torch.futures.Future()
+        f.set_result([self.tensor])
+        return f
+
+    def wait(self, timeout=None):
         return True
 
 
@@ -104,6 +121,13 @@ class Faults:
                 if kwargs.get("async_op"):
                     return FailedWork(e)
                 raise e
+            if mode == "corrupt":  # the collective completes, then bytes 32-35 of what it delivered flip
+                work = real(*args, **kwargs)
+                if work is not None:
+                    work.wait()
+                out = args[0].view(-1).view(torch.uint8)
+                out[32:36] = 0xFF
+                return DoneWork(args[0]) if kwargs.get("async_op") else None
             raise AssertionError(f"unknown fault mode {mode!r}")
 
         call.__name__ = name
@@ -363,7 +387,7 @@ def dead_peer_job(rank, world, integration, mode, victim=1, good=3, plant_bug=Fa
     return out
 
 
-def injected_job(rank, world, integration, at, steps=4, fail_step=2):
+def injected_job(rank, world, integration, at, steps=4, fail_step=2, mode="raise"):
     """Every rank fails collective ``at`` of step ``fail_step`` (``raise``); the failure must be
     seen on every rank with the state as before the step, and the retried run must end in
     exactly the state of a run that never failed (module docstring)."""
@@ -379,7 +403,7 @@ def injected_job(rank, world, integration, at, steps=4, fail_step=2):
     for k in range(fail_step):
         run.step(k)
     before = snap(run.state())
-    faults.arm("raise", at)
+    faults.arm(mode, at)
     out = _outcome(lambda: run.step(fail_step))
     fired = faults.count > at
     faults.disarm()

@@ -15,7 +15,8 @@ What is checked (the rank-side code is tests/python/failure_jobs.py):
 - Injected failures: on 3 ranks of a shared pool every rank fails the same collective of step 2
   in place (as a closed connection does), at each collective index of the step in turn; every
   rank raises, its state is as before the step, and the run retried from there ends bitwise
-  equal to a run that never failed (the "resumes exactly" promise), outputs included.
+  equal to a run that never failed (the "resumes exactly" promise), outputs included. The same
+  for a decode that fails (a corrupt top-k packet).
 - Ranks that disagree (another codec or spec, numel, bucket layout, scheme, call order, a step
   counter ahead, PowerSGD options, a DDP hook's codec, packets of another spec through a scheme
   called directly): every rank raises gradcomp.RankMismatchError with a message saying which
@@ -226,6 +227,19 @@ def test_injected_failure_undone_and_resumed(integration):
             assert not r["diff"], f"{where}: state changed by the failed step: {r['diff'][:6]}"
             assert not r["retry_diff"], f"{where}: the retried run differs from a clean one: {r['retry_diff'][:6]}"
             assert not r["outs_diff"], f"{where}: the retried outputs differ: {r['outs_diff'][:6]}"
+
+
+def test_corrupt_packet_fails_the_step():
+    """A decode that fails (the gathered top-k packets carry an index out of range, on every rank)
+    fails the step as a collective does: CorruptPacketError (its type kept through the Future),
+    naming step and tensor, the state as before the step, and the retried run equal to a clean
+    one."""
+    res = _pool(3).run(failure_jobs.injected_job, "compressor:gather", 1, 4, 2, "corrupt", timeout=240)
+    for rank, r in enumerate(res):
+        assert r["fired"] and r["raised"], (rank, r)
+        assert r["type"] == "CorruptPacketError", (rank, r["type"], r["msg"])
+        assert "step 2, tensor 'w' (codec topk:ratio=0.05, scheme gather)" in r["msg"], (rank, r["msg"])
+        assert not r["diff"] and not r["retry_diff"] and not r["outs_diff"], (rank, r)
 
 
 # ---- ranks that disagree -------------------------------------------------------------------------

@@ -293,8 +293,77 @@ def test_cli_table_png_and_scheme_all(tmp_path, capsys):
     png = (out / "plan_step_vs_bandwidth.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     res = json.loads((out / "plan.json").read_text())
-    assert [r["scheme"] for r in res["rows"]] == ["dense", "auto", "dense", "two_phase", "gather", "hierarchical"]
+    # the flat dense reference, then codec none and int8 on the same scheme candidates
+    assert [(r["codec"], r["scheme"]) for r in res["rows"]] == [
+        ("none", "dense"), ("none", "auto"), ("none", "sum"), ("none", "gather"), ("none", "hierarchical"),
+        ("int8", "auto"), ("int8", "dense"), ("int8", "two_phase"), ("int8", "gather"), ("int8", "hierarchical")]
     assert res["inputs"]["cost_model"]["inter"]["bits_per_s"] == 100e9
+    assert "x scheme" in text and "x codec" in text and "dense(flat)" in text
+
+
+def test_cli_speedup_is_the_step_time_ratio_split_into_scheme_and_codec(capsys):
+    """Issue 19 (1, 2): the speed-up divides step times (it divided exposed times, one of them near
+    zero under --backward: 20,000x for a step going from 5.2 s to 1 s), and codec none gets the
+    same scheme candidates (the hierarchical reduction included), so x total = x scheme * x codec
+    with x scheme what the topology alone gives."""
+    assert planner_cli.main(["--params", "7B", "--gpus", "64", "--gpus-per-node", "8", "--link-gbps", "network=100",
+                             "--step-time", "1.0", "--backward", "0.6", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = res["rows"]
+    dense = rows[0]
+    assert dense.get("reference") and dense["scheme"] == "dense" and dense["compared"] == "step_s"
+    for r in rows:
+        assert r["compared"] == "step_s"
+        assert close(r["speedup_vs_dense"], dense["step_s"] / r["step_s"])
+        assert close(r["speedup_vs_dense"], r["scheme_gain"] * r["codec_gain"])
+        assert r["speedup_vs_dense"] <= dense["step_s"] / 1.0 + 1e-9  # no step is faster than its compute
+    none_auto = next(r for r in rows if r["codec"] == "none" and r["scheme"] == "auto")
+    assert any(k.startswith("hierarchical") for k in none_auto["schemes_used"]), none_auto["schemes_used"]
+    assert close(none_auto["codec_gain"], 1.0) and none_auto["scheme_gain"] > 1
+    for r in rows[1:]:
+        assert close(r["scheme_gain"], none_auto["scheme_gain"])  # the same candidates for every codec
+    # without --step-time the exposed times without overlap are compared (never what is left
+    # after --backward, near zero for the compressed rows), and the table says so
+    argv = ["--params", "7B", "--gpus", "64", "--gpus-per-node", "8", "--link-gbps", "network=100",
+            "--backward", "0.3"]
+    assert planner_cli.main(argv + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert {r["compared"] for r in res["rows"]} == {"exposed_s"}
+    dense = res["rows"][0]
+    for r in res["rows"]:
+        assert close(r["speedup_vs_dense"], dense["exposed_s"] / r["exposed_s"])
+        assert r["speedup_vs_dense"] < 100, (r["codec"], r["scheme"], r["speedup_vs_dense"])  # 38,900x before
+    assert planner_cli.main(argv) == 0
+    assert "exposed times without overlap (comm: no --step-time given)" in capsys.readouterr().out
+
+
+def test_cli_nic_per_node(capsys):
+    """--nic-per-node: the node's L ranks share one NIC (the planner's per_node link)."""
+    argv = ["--params", "1B", "--gpus", "16", "--gpus-per-node", "8", "--codec", "int8", "--scheme", "hierarchical",
+            "--json"]
+    assert planner_cli.main(argv) == 0
+    per_gpu = json.loads(capsys.readouterr().out)
+    assert planner_cli.main(argv + ["--nic-per-node"]) == 0
+    per_node = json.loads(capsys.readouterr().out)
+    assert per_node["inputs"]["cost_model"]["inter"]["per_node"] is True
+    assert per_gpu["inputs"]["cost_model"]["inter"]["per_node"] is False
+    a, b = per_gpu["rows"][1], per_node["rows"][1]
+    assert a["bytes"] == b["bytes"] and b["comm_s"] > a["comm_s"]
+
+
+def test_crossover_and_curve_groups():
+    """Issue 19 (3): where a codec stops paying (its gain falls through 1.01, interpolated in log
+    bandwidth), and codecs with identical curves drawn once."""
+    g = planner_cli.crossover_gbps([(1, 3.0), (10, 2.0), (100, 0.5)])
+    t = (2.0 - 1.01) / (2.0 - 0.5)
+    assert close(g, 10 ** (1 + t))
+    assert planner_cli.crossover_gbps([(1, 3.0), (10, 2.0)]) == float("inf")
+    assert planner_cli.crossover_gbps([(1, 1.0), (10, 0.9)]) is None
+    assert planner_cli.crossover_gbps([(1, 1.005), (10, 1.0)]) is None  # a tie is not paying
+    sweep = [{"gbps": gb, "codec": c, "step_s": v} for gb in (1, 10) for c, v in
+             (("dense (flat)", 5.0), ("none", 4.0), ("fp8", 2.0 / gb), ("int8", 2.0 / gb), ("int4", 1.0))]
+    groups = planner_cli.curve_groups(sweep, "step_s")
+    assert [labels for labels, _ in groups] == [["dense (flat)"], ["none"], ["fp8", "int8"], ["int4"]]
 
 
 def test_cli_model_module(tmp_path, monkeypatch, capsys):

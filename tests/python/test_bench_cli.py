@@ -280,3 +280,55 @@ def test_encode_bytes_formula():
     assert bench.encode_bytes(1000, "float32", 4048, False) == 8048
     assert bench.encode_bytes(1000, "bfloat16", 2032, True) == 2000 + 2032 + 8000
     assert bench.decode_bytes(1000, "bfloat16", 2032) == 4032
+
+
+# -- issue 19 (4): interleaved rounds, spreads, and figures that cannot be results are flagged ----
+def test_rounds_interleave_every_measurement():
+    from gradcomp.bench import runner
+
+    calls = []
+    items = {k: (lambda k=k: calls.append(k)) for k in ("copy", "encode", "decode")}
+    ts = runner._rounds("cpu", items, 3)
+    assert calls[:3] == ["copy", "encode", "decode"]  # the warm-up
+    assert calls[3:] == ["copy", "encode", "decode", "encode", "decode", "copy", "decode", "copy", "encode"]
+    assert {k: len(v) for k, v in ts.items()} == {"copy": 3, "encode": 3, "decode": 3}
+    assert runner._spread([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0] and runner._spread(None) is None
+
+
+def test_flags():
+    from gradcomp.bench import runner
+
+    ok = {"encode_spread_s": [1.0, 1.1, 1.5], "encode_bytes": 100, "encode_s": 1.0}
+    assert runner._flags(ok, copy_bps=100.0) == []
+    noisy = dict(ok, encode_spread_s=[1.0, 1.2, 2.5])
+    assert runner._flags(noisy, 100.0) == ["noisy encode: slowest round 2.5x the fastest"]
+    fast = dict(ok, encode_bytes=120)  # 120 B/s against a 100 B/s copy
+    assert runner._flags(fast, 100.0) == ["encode beats the copy floor: 1.20 of copy"]
+    assert runner._flags(dict(ok, baseline_encode_spread_s=[1e-3, 1e-3, 9e-3]), 100.0)[0].startswith(
+        "noisy baseline encode: slowest round 9.0x")
+
+
+def test_impossible_figures_are_flagged_not_reported(monkeypatch, tmp_path, capsys):
+    """A busy machine: the copy took 1 s in every round while the kernels took microseconds, and
+    one kernel's rounds spread 5x. Every such line is marked and named, and the run says so."""
+    from gradcomp.bench import runner
+
+    def fake_rounds(device, items, reps):
+        out = {}
+        for k in items:
+            items[k]()
+            out[k] = [1.0] * reps if k == "copy" else [1e-6, 5e-6, 1e-6][:reps] if k == "encode" else [1e-6] * reps
+        return out
+
+    monkeypatch.setattr(runner, "_rounds", fake_rounds)
+    assert main(["--sizes", "12", "--dtypes", "float32", "--codecs", "int8", "--reps", "3", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = bench.load(tmp_path / "bench_cpu.json")
+    row = next(r for r in table["rows"] if not r["error_feedback"])
+    assert row["encode_spread_s"] == [1e-6, 1e-6, 5e-6]
+    assert any(f.startswith("noisy encode") for f in row["flags"]) and any("beats the copy floor" in f
+                                                                          for f in row["flags"])
+    assert table["flagged"] == table["measurements"] > 0
+    assert "int8 encode" in out and "  !" in out and "! not a result: int8 encode: noisy encode" in out
+    assert f"! {table['flagged']} of {table['measurements']} measurements are flagged" in out

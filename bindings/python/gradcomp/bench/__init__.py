@@ -29,7 +29,12 @@ medians over the repetitions)::
 run with it (fp8, int8, onebit, topk), one with it (encode with a float32 residual). A row with
 error feedback has the decode times of the row without (the decode is the same operation).
 ``baseline_*_s`` is None where no torch sequence is written for a codec. The keys ``copies``,
-``decode_bytes`` and the rows' ``copy_bytes_per_s`` are extras: :func:`load` does not require them.
+``decode_bytes`` and the rows' ``copy_bytes_per_s`` are extras: :func:`load` does not require them;
+so are the spreads ``encode_spread_s``, ``decode_spread_s``, ``baseline_encode_spread_s``,
+``baseline_decode_spread_s`` (``[min, median, max]`` seconds of the interleaved rounds, None
+without a baseline) and ``copies[i]["copy_spread_s"]``, the rows' ``flags`` (why a row is not a
+result: ``noisy ...`` when its rounds spread more than 2x, ``... beats the copy floor`` when its
+bytes moved faster than 1.1x the copy) and the file's ``flagged`` / ``measurements`` counts.
 """
 
 from __future__ import annotations

@@ -9,21 +9,26 @@ topk also the encode with error feedback (a float32 residual read and updated), 
 step written in torch.
 
 Printed, per (size, dtype), one line per measurement with the columns
-``kernel, ms, GB/s, of copy, baseline, ms, speedup``: ms the median time; GB/s the compulsory
-bytes over it (encode: input read + packet written, + 8 bytes per element for the residual with
-error feedback; decode: packet read + output written; 1e9 bytes); ``of copy`` that rate over the
-copy's bytes read + written per second (for an encode, the fraction of the floor reached); the
-baseline's description, median ms and speedup = baseline ms / gradcomp ms.
+``kernel, ms, spread, GB/s, of copy, baseline, ms, spread, speedup``: ms the median time; spread
+the slowest round over the fastest; GB/s the compulsory bytes over the median (encode: input read
++ packet written, + 8 bytes per element for the residual with error feedback; decode: packet read
++ output written; 1e9 bytes); ``of copy`` that rate over the copy's bytes read + written per
+second (for an encode, the fraction of the floor reached); the baseline's description, median ms,
+spread and speedup = baseline ms / gradcomp ms. A line ending in ``!`` is not a result: its rounds
+spread more than 2x, or its kernel moved its bytes faster than 1.1x the copy floor (a busy machine,
+or data in a cache the copy did not use); the reasons follow the block, and a count ends the run.
 
 Writes into ``--out`` (default results/bench): ``bench_<device>.json`` (format gradcomp-bench/1,
 see :mod:`gradcomp.bench`; read it with ``gradcomp.bench.load``), ``bench_<device>.png`` (encode
 GB/s against size, one line per codec, the copy as a dashed line; matplotlib) and
 ``bench_<device>.txt`` (the printed table).
 
-Timing: CPU, time.perf_counter medians of ``--reps`` runs after one warm-up; CUDA, torch.cuda
-event pairs on the current stream, medians after one warm-up. The copy keeps the fastest of
-2 x max(reps, 7) runs, before and after the codecs: the floor is the best the machine did (at sizes
-that fit in the last-level cache, as --quick's on a CPU, that is a copy from cache). ``--threads``
+Timing: per input and codec, its kernels, its torch baselines and the copy run in ``--reps``
+interleaved rounds (one call of each per round, the order rotated, after one warm-up call of each),
+so a burst of load hits them alike; CPU time.perf_counter, CUDA torch.cuda event pairs on the
+current stream; medians reported with their spread. The copy floor is the fastest copy of all the
+rounds of that input: the best the machine did (at sizes that fit in the last-level cache, as
+--quick's on a CPU, that is a copy from cache). ``--threads``
 sets both gradcomp's and torch's CPU thread counts (default gradcomp's: GRADCOMP_NUM_THREADS or the
 OpenMP default). ``--quick``: sizes 2^20 and 2^22, 3 reps (explicit ``--sizes`` / ``--reps`` win);
 6-16 s on the 2-core development machine.

@@ -154,6 +154,8 @@ def test_spec_canonical(spec, canonical):
         ("topk:k=3,k=4", ["'k' given twice"]),
         ("topk:k", ["'k' is not key=value"]),
         ("fp16:ratio=0.1", ["unknown key 'ratio'", "(none)"]),
+        # issue 19 (7): PowerSGD is a Compressor protocol, not a codec; the error says where it goes
+        ("powersgd:rank=4", ["PowerSGD is not a codec", "gradcomp.torch.Compressor('powersgd:rank=4')"]),
     ],
 )
 def test_bad_specs(spec, needles):

@@ -175,16 +175,28 @@ class Codec:
     = auto|float32|float16|bfloat16). The README describes each codec and the packet format.
 
     Raises:
-        InvalidArgumentError: unknown codec name or key, or an out-of-range value.
+        InvalidArgumentError: unknown codec name or key, or an out-of-range value; ``powersgd``
+            (not a codec: the message names what takes that spec).
     """
 
     def __init__(self, spec: str):
         if not isinstance(spec, str):
             raise _C.InvalidArgumentError(f"codec spec must be a str such as 'topk:ratio=0.01', got {spec!r}")
+        if spec.partition(":")[0].strip() == "powersgd":
+            raise _C.InvalidArgumentError(
+                f"codec spec {spec!r}: PowerSGD is not a codec (it is a two-round protocol over matrices, with no "
+                f"single packet to encode and decode): use gradcomp.torch.Compressor({spec!r}), "
+                f"gradcomp.torch.register(ddp_model, codec={spec!r}), or the steps in gradcomp.lowrank")
         self._c = _C.Codec(spec)
         # Workspaces are per thread and device: encode/decode release the GIL, and two threads
-        # must never share scratch space.
-        self._local = threading.local()
+        # must never share scratch space. Keyed by thread id, not a threading.local: a decode in a
+        # collective's callback runs on the engine's worker thread under a Python thread state that
+        # pybind11 makes and clears for each callback, and a threading.local would free (and the
+        # next callback reallocate) the workspace each time -- at interpreter exit that free needs
+        # the GIL from a thread that may no longer take it, and the process aborts. A dead
+        # thread's id may be reused: its workspace then serves the new thread, never two at once.
+        self._ws: dict = {}
+        self._ws_lock = threading.Lock()
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -283,15 +295,14 @@ class Codec:
         ``gradcomp.check(codec.workspace(t))`` after a decode."""
         cuda = _is_torch(like) and like.is_cuda
         need = self._c.workspace_bytes(_count(numel, "numel"), _dtype_name(dtype), cuda)
-        key = _device_key(like)
-        if not hasattr(self._local, "ws"):
-            self._local.ws = {}
-        ws = self._local.ws.get(key)
+        key = (threading.get_ident(), _device_key(like))
+        ws = self._ws.get(key)
         size = (ws.numel() if _is_torch(ws) else ws.size) if ws is not None else -1
         if size < need:
             ws = aligned_empty(like, max(need, 16))
             ws[:16] = 0
-            self._local.ws[key] = ws
+            with self._ws_lock:
+                self._ws[key] = ws
         return ws
 
     # -- encode / decode -----------------------------------------------------------------------

@@ -5,6 +5,12 @@ one bucket layout) and a probe; never the hook or compressor state, so nothing h
 upwards (dependency direction: torch -> schemes -> planner -> codec -> _C).
 """
 
+import atexit
+import os
+import threading
+import time
+import warnings
+import weakref
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -242,6 +248,72 @@ def collective_failed(what: str, e: BaseException) -> BaseException:
     return err
 
 
+class _Pending:
+    """The callbacks :func:`chain` attached that still exist, so that the process exits cleanly.
+
+    A callback runs on the engine's worker thread (gloo's ``pt_gloo_runloop``), which takes the
+    GIL to run it, again to free it, and again to free the Work's tensors' Python objects -- all
+    after the Future the callback completed woke the waiter. When that waiter was the main
+    thread's last ``wait()`` and the interpreter is finalizing by then, the worker thread cannot
+    take the GIL: CPython ends it with ``pthread_exit`` inside C++ frames and the process aborts
+    ("terminate called without an active exception"; in about half the runs of a two-rank
+    Compressor loop that exits without ``destroy_process_group``). A callback counts from when
+    it is attached until its function object is freed (a weak reference's callback, on the worker
+    thread while it holds the GIL). :meth:`drain` runs at exit (``atexit``, before finalization):
+    it waits, with the GIL released, until none is left -- at most ``GRADCOMP_EXIT_WAIT_S``
+    seconds (default 10; a collective that never finishes), then warns -- and then releases the
+    GIL for 50 ms more, for the Works' release, which no Python object marks.
+    """
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.refs: set = set()
+        self.used = False  # any callback attached in this process
+
+    def add(self, callback: Callable) -> None:
+        def gone(ref):
+            with self.cond:
+                self.refs.discard(ref)
+                if not self.refs:
+                    self.cond.notify_all()
+
+        r = weakref.ref(callback, gone)
+        with self.cond:
+            self.refs.add(r)
+            self.used = True
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no callback is left (True) or ``timeout`` seconds passed (False)."""
+        if timeout is None:
+            try:
+                timeout = float(os.environ.get("GRADCOMP_EXIT_WAIT_S", "10"))
+            except ValueError:
+                timeout = 10.0
+        end = time.monotonic() + timeout
+        with self.cond:
+            while self.refs:
+                left = end - time.monotonic()
+                if left <= 0:
+                    warnings.warn(f"gradcomp: {len(self.refs)} collective(s) still in flight at exit (not done "
+                                  f"within GRADCOMP_EXIT_WAIT_S={timeout:g} s); the process may abort while "
+                                  f"exiting: wait for every Future, then call torch.distributed."
+                                  f"destroy_process_group()")
+                    return False
+                self.cond.wait(left)
+        if self.used:
+            # the engine's worker thread frees each Work after its callbacks, taking the GIL to
+            # drop its tensors' Python objects: let it have the GIL now, before finalization
+            time.sleep(0.05)
+        return True
+
+
+PENDING = _Pending()
+atexit.register(PENDING.drain)
+
+
 def chain(fut: torch.futures.Future, fn: Callable[[Any], Any], what: str = "the collective",
           on_error: Optional[Callable[[BaseException], BaseException]] = None,
           device: Optional[torch.device] = None) -> torch.futures.Future:
@@ -284,6 +356,7 @@ def chain(fut: torch.futures.Future, fn: Callable[[Any], Any], what: str = "the 
             return
         out.set_result(result)
 
+    PENDING.add(callback)  # the exit waits until the worker thread has freed it (_Pending)
     fut.add_done_callback(callback)
     return out
 

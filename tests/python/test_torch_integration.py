@@ -593,3 +593,71 @@ def test_readme_checkpoint_recipe():
     the original."""
     with tempfile.TemporaryDirectory() as tmp:
         assert run(2, job_readme_checkpoint, readme_checkpoint_block(), tmp) == [True, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 19 (6): a group of one says so once and reports what it would send; warnings print once
+
+
+def job_world_one_and_warnings_once(rank, world):
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    mine = groups[rank]
+    codec = gradcomp_codec("int8")
+    comp = Compressor("int8", group=mine)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.randn(5000)
+            got = comp.allreduce(x.clone(), "g").wait()
+            assert torch.equal(got, x)  # the average of one rank: the tensor itself
+    said = [str(m.message) for m in w if "one rank" in str(m.message)]
+    assert len(said) == 1 and "nothing is sent or compressed" in said[0], said
+    s = comp.stats()
+    t = s["total"]
+    assert t["numel"] == 3 * 5000 and t["sent_bytes"] == 0 and t["ring_bytes"] == 0
+    assert t["packet_bytes"] == 3 * codec.packet_bytes(5000, "float32") and t["dense_bytes"] == 3 * 4 * 5000
+    assert t["packet_ratio"] == t["packet_bytes"] / t["dense_bytes"]
+    assert t["wire_ratio"] == t["packet_ratio"]  # what the packets would weigh (nothing crossed a wire)
+    assert t["bits_per_element"] == 8 * t["packet_bytes"] / t["numel"]
+    # a float64 tensor's dense-path warning reaches stderr once (not also as a log record)
+    lg, root = logging.getLogger("gradcomp"), logging.getLogger()
+    saved = (list(lg.handlers), list(root.handlers))
+    for h in saved[0]:
+        lg.removeHandler(h)
+    for h in saved[1]:
+        root.removeHandler(h)
+    sys.stderr.flush()
+    fd = os.dup(2)
+    out = tempfile.TemporaryFile()
+    os.dup2(out.fileno(), 2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            c2 = Compressor("topk:ratio=0.1")
+            for _ in range(3):
+                c2.allreduce(torch.ones(2000, dtype=torch.float64), "d").wait()
+        sys.stderr.flush()
+    finally:
+        os.dup2(fd, 2)
+        os.close(fd)
+        for h in saved[0]:
+            lg.addHandler(h)
+        for h in saved[1]:
+            root.addHandler(h)
+    out.seek(0)
+    text = out.read().decode()
+    assert text.count("takes the dense path") == 1, text
+    return True
+
+
+def gradcomp_codec(spec):
+    import gradcomp
+
+    return gradcomp.Codec(spec)
+
+
+def test_world_size_one_and_warnings_print_once():
+    """Issue 19 (6): a Compressor on a group of one returns the tensor, says once that nothing is
+    sent, and its stats hold the packets it would send (packet and wire ratio finite); the
+    float64 dense-path warning appears once on stderr."""
+    assert run(2, job_world_one_and_warnings_once) == [True, True]

@@ -259,13 +259,18 @@ def summarize(totals: Mapping[str, float]) -> Dict[str, float]:
     ``totals`` holds ``numel`` (elements), ``dense_bytes``, ``packet_bytes``, ``sent_bytes`` and
     ``ring_bytes`` (bytes, summed over any set of buckets and steps). Returns
     ``{"packet_ratio": packet/dense, "wire_ratio": sent/ring, "bits_per_element": 8 * packet /
-    numel}``, each NaN when its denominator is 0.
+    numel}``, each NaN when its denominator is 0 -- except ``wire_ratio`` when nothing was sent
+    nor would a ring have sent anything (world size 1: sent = ring = 0, packets accounted): then
+    it is the packet ratio, what the packets would weigh against the dense bytes.
     """
     def ratio(a, b):
         return a / b if b else float("nan")
 
-    return {"packet_ratio": ratio(totals["packet_bytes"], totals["dense_bytes"]),
-            "wire_ratio": ratio(totals["sent_bytes"], totals["ring_bytes"]),
+    packet_ratio = ratio(totals["packet_bytes"], totals["dense_bytes"])
+    wire = ratio(totals["sent_bytes"], totals["ring_bytes"])
+    if not totals["ring_bytes"] and not totals["sent_bytes"] and totals["packet_bytes"]:
+        wire = packet_ratio
+    return {"packet_ratio": packet_ratio, "wire_ratio": wire,
             "bits_per_element": ratio(8.0 * totals["packet_bytes"], totals["numel"])}
 
 

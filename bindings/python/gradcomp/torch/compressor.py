@@ -31,7 +31,7 @@ from ..schemes.check import PeerCheck
 from ..schemes.context import chain, completed
 from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
 from .residuals import NONFINITE_MODES, Layout, ResidualStore
-from .stats import CORRUPT_MODES, Stats
+from .stats import CORRUPT_MODES, LOCAL, Stats
 
 log = logging.getLogger("gradcomp")
 
@@ -441,9 +441,25 @@ class Compressor:
 
         return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e))
 
+    def _single(self, tensor, key) -> torch.futures.Future:
+        """World size 1: nothing is sent and ``tensor`` is the average already. Said once; the
+        call is accounted with the packet it would send (``sent_bytes`` 0; the ratios are the
+        packet's, :func:`gradcomp.planner.summarize`)."""
+        self._warn_once(("world1",), f"gradcomp: the process group has one rank: nothing is sent or compressed "
+                                     f"(the tensors are returned as they are); stats() reports the packets codec "
+                                     f"{self.codec.spec} would send")
+        rec = self._stats.record(self.iter)
+        supported = tensor.layout == torch.strided and tensor.dtype in SUPPORTED_DTYPES
+        dense = planner.dense_bytes(tensor.numel(), tensor.dtype) if tensor.layout == torch.strided else 0
+        packet = int(self.codec.packet_bytes(tensor.numel(), tensor.dtype)) if supported else dense
+        self._stats.account(rec, {key[0]: key[1], "numel": tensor.numel(), "dtype": str(tensor.dtype).replace("torch.", ""),
+                                  "scheme": LOCAL, "dense_bytes": dense, "packet_bytes": packet,
+                                  "sent_bytes": 0.0, "ring_bytes": 0.0})
+        return completed(tensor)
+
     def _reduce(self, tensor, key, params, joined=False, dense=False, dense_reason="") -> torch.futures.Future:
         if self.world_size == 1:
-            return completed(tensor)
+            return self._single(tensor, key)
         self._load_restored(strict=True)
         att = self._attempt(key)
         if self._unit_step != self.iter and (self._scaler is not None or self._unit is not None):
@@ -633,10 +649,11 @@ class Compressor:
         return chain(fut, done, f"{_label(key)}: scheme {scheme!r}", on_error=on_error, device=tensor.device)
 
     def _warn_once(self, key, msg):
+        """One warning per ``key`` (Python's warnings module: one line, filterable; not also a
+        log record, which would print it twice when logging is not configured)."""
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(msg, stacklevel=4)
-            log.warning(msg)
 
     # -- introspection -------------------------------------------------------------------------
     def scheme_of(self, name: str) -> str:
@@ -722,7 +739,13 @@ class Compressor:
         the most recent step (its ``index`` or ``name``, numel, dtype, scheme, bytes, times; a
         hierarchical call adds ``inner``, ``local_world_size`` and the bytes sent inside and
         across nodes, ``intra_bytes`` / ``inter_bytes``, whose sum is its ``sent_bytes``:
-        :func:`gradcomp.planner.hierarchical_bytes`).
+        :func:`gradcomp.planner.hierarchical_bytes`). ``failed_steps``: failed steps, left out
+        of the totals. In a group of one nothing is sent: calls are accounted with the packets
+        they would send (scheme ``"local (world size 1)"``, wire ratio = packet ratio).
+
+        The totals cover the steps this object ran since it was built or unpickled (a pickle
+        keeps them; :meth:`load_state_dict` does not: a resumed run counts from zero while
+        ``iter`` continues). The README's "Reading stats()" says what each ratio means.
 
         Raises:
             gradcomp.CorruptPacketError: a corrupt packet seen by a CUDA decode (on_corrupt="raise").
@@ -891,7 +914,6 @@ class Compressor:
 
     def _warn(self, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
-        log.warning(msg)
 
     # -- the process group and pickling --------------------------------------------------------
     def set_process_group(self, group=None, strict: bool = True) -> None:

@@ -393,6 +393,8 @@ class _LowRank:
         counters and step counter are then put back (:mod:`gradcomp.torch.journal`)."""
         W = self.world_size
         if W == 1:
+            self._warn_once("world1", "gradcomp: PowerSGD: the process group has one rank: nothing is sent or "
+                                      "compressed (the tensors are returned as they are)")
             return completed(tensor)
         flat = tensor.view(-1)
         att = self._attempt(key)

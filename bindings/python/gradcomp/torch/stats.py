@@ -54,6 +54,10 @@ bucket counts."""
 
 CORRUPT_MODES = ("raise", "log")
 
+LOCAL = "local (world size 1)"
+"""The scheme a call is accounted under when its group has one rank: nothing is sent; its
+``packet_bytes`` are what the codec would send, counted as a dense bucket."""
+
 _INT_FIELDS = ("dense_bytes", "packet_bytes", "sent_bytes", "compressed_buckets", "dense_buckets")
 
 STDERR_HANDLER = logging.StreamHandler(sys.stderr)
@@ -255,7 +259,7 @@ class Stats:
         with self.lock:
             for f in ("numel", "dense_bytes", "packet_bytes", "sent_bytes", "ring_bytes"):
                 rec.v[f] += b[f]
-            rec.v["compressed_buckets" if b["scheme"] != "dense" else "dense_buckets"] += 1
+            rec.v["dense_buckets" if b["scheme"] in ("dense", LOCAL) else "compressed_buckets"] += 1
             rec.buckets.append(b)
 
     def add_time(self, rec: StepRecord, b: dict, field: str, seconds: float) -> None:

@@ -43,7 +43,9 @@ def install(engine):
       engine averages the warm-up gradients and its gradient allreduce goes off for the
       compression stage.
 
-    Returns the installed backend (first case) or the optimizer (second case).
+    Returns:
+        The installed :class:`OnebitBackend` (first case), or the gradcomp.optim optimizer
+        itself, now bound to the engine (second case; ``engine.optimizer`` is the same object).
 
     Raises:
         TypeError: the engine's optimizer is none of those (the message names its class and what

@@ -216,8 +216,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
         :func:`register_comm_hook`'s hook) and non_freeze groups; compressed bytes the 1-bit
         exchanges. ``packet_bytes`` sums what this rank put on the wire as its own data (a dense
         tensor's bytes; a onebit packet of the padded buffer), ``exchanged_dense_bytes`` the
-        dense size of the same tensors (their ratio is the packet ratio). Gradients a DeepSpeed
-        engine averages are not counted here."""
+        dense size of the same tensors (their ratio is the packet ratio). Under a DeepSpeed
+        engine (:meth:`bind_engine`) the gradients the engine averages are counted as dense on the
+        steps its allreduce was on (the initialisation step and the warm-up; ZeroOneAdam's
+        variance steps): a ring allreduce of the step's gradient bytes each. The counts are not in
+        ``state_dict()``: after ``load_state_dict`` they start from zero (the step counts of the
+        state go on)."""
         s = dict(self._stats)
         s["sent_bytes"] = s["dense_sent_bytes"] + s["compressed_sent_bytes"]
         s["sent_bytes_per_step"] = s["sent_bytes"] / s["steps"] if s["steps"] else float("nan")
@@ -267,6 +271,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._stats["warmup_steps" if self.dense_next else "compressed_steps"] += 1
         if not first and self.dense_next and self.average_gradients:
             self._average([g for group in self.param_groups for g in self._grads(group)])
+        elif self.dense_next and self._engine is not None and self.size > 1:
+            # a bound DeepSpeed engine allreduced this step's gradients in backward (its flag was on)
+            self.count_dense(sum(g.numel() * g.element_size() for group in self.param_groups
+                                 for g in self._grads(group)))
         return loss, first
 
     @staticmethod

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the charlm task end to end: the whole suite only (tests/quick.sh leaves them out)
+
 np = pytest.importorskip("numpy")
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")

@@ -36,6 +36,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # DeepSpeed trainings in subprocesses: the whole suite only (tests/quick.sh leaves them out)
+
 pytest.importorskip("deepspeed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -40,6 +40,8 @@ import traceback
 
 import pytest
 
+pytestmark = pytest.mark.slow  # processes killed and stalled, gloo timeouts: the whole suite only (tests/quick.sh leaves them out)
+
 torch = pytest.importorskip("torch")
 
 import gradcomp  # noqa: E402

@@ -12,6 +12,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow  # shaped links in network namespaces: the whole suite only (tests/quick.sh leaves them out)
+
 pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 

@@ -17,6 +17,7 @@ Bitwise comparisons (floats compared as integer views):
 No tolerances.
 """
 
+import contextlib
 import copy
 import logging
 import os
@@ -32,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
+import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch import Compressor  # noqa: E402
 
@@ -500,7 +502,10 @@ def test_16bit_cast_on_16bit_buckets_warns_once():
 # docs: log_every is visible without configuring logging
 
 
-def job_log_every_visible(rank, world):
+@contextlib.contextmanager
+def _bare_stderr():
+    """No handler on the "gradcomp" logger nor the root logger (level NOTSET), and file
+    descriptor 2 captured; yields a function returning what reached it. Restores all."""
     lg, root = logging.getLogger("gradcomp"), logging.getLogger()
     saved = (list(lg.handlers), lg.level, list(root.handlers))
     for h in saved[0]:
@@ -512,12 +517,32 @@ def job_log_every_visible(rank, world):
     fd = os.dup(2)
     out = tempfile.TemporaryFile()
     os.dup2(out.fileno(), 2)
+
+    def text():
+        sys.stderr.flush()
+        out.seek(0)
+        return out.read().decode()
+
     try:
+        yield text
+    finally:
+        sys.stderr.flush()
+        os.dup2(fd, 2)
+        os.close(fd)
+        lg.setLevel(saved[1])
+        for h in saved[0]:
+            lg.addHandler(h)
+        for h in saved[2]:
+            root.addHandler(h)
+
+
+def job_log_every_visible(rank, world):
+    lg = logging.getLogger("gradcomp")
+    with _bare_stderr() as captured:
         assert not lg.hasHandlers()
         comp = Compressor("topk:ratio=0.01", log_every=1)
         for _ in range(3):
             comp.allreduce(torch.ones(2000), "x").wait()
-        sys.stderr.flush()
         attached = [h for h in lg.handlers]
         # with a handler configured, none is added
         for h in attached:
@@ -527,16 +552,7 @@ def job_log_every_visible(rank, world):
         Compressor("none", log_every=1)
         assert lg.handlers == [mine]
         lg.removeHandler(mine)
-    finally:
-        os.dup2(fd, 2)
-        os.close(fd)
-        lg.setLevel(saved[1])
-        for h in saved[0]:
-            lg.addHandler(h)
-        for h in saved[2]:
-            root.addHandler(h)
-    out.seek(0)
-    text = out.read().decode()
+        text = captured()
     assert len(attached) == 1, attached
     assert "gradcomp step 0: 2000 elements" in text and "gradcomp step 1:" in text, text
     return True
@@ -602,7 +618,7 @@ def test_readme_checkpoint_recipe():
 def job_world_one_and_warnings_once(rank, world):
     groups = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     mine = groups[rank]
-    codec = gradcomp_codec("int8")
+    codec = gradcomp.Codec("int8")
     comp = Compressor("int8", group=mine)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -620,40 +636,15 @@ def job_world_one_and_warnings_once(rank, world):
     assert t["wire_ratio"] == t["packet_ratio"]  # what the packets would weigh (nothing crossed a wire)
     assert t["bits_per_element"] == 8 * t["packet_bytes"] / t["numel"]
     # a float64 tensor's dense-path warning reaches stderr once (not also as a log record)
-    lg, root = logging.getLogger("gradcomp"), logging.getLogger()
-    saved = (list(lg.handlers), list(root.handlers))
-    for h in saved[0]:
-        lg.removeHandler(h)
-    for h in saved[1]:
-        root.removeHandler(h)
-    sys.stderr.flush()
-    fd = os.dup(2)
-    out = tempfile.TemporaryFile()
-    os.dup2(out.fileno(), 2)
-    try:
+    with _bare_stderr() as captured:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             c2 = Compressor("topk:ratio=0.1")
             for _ in range(3):
                 c2.allreduce(torch.ones(2000, dtype=torch.float64), "d").wait()
-        sys.stderr.flush()
-    finally:
-        os.dup2(fd, 2)
-        os.close(fd)
-        for h in saved[0]:
-            lg.addHandler(h)
-        for h in saved[1]:
-            root.addHandler(h)
-    out.seek(0)
-    text = out.read().decode()
+        text = captured()
     assert text.count("takes the dense path") == 1, text
     return True
-
-
-def gradcomp_codec(spec):
-    import gradcomp
-
-    return gradcomp.Codec(spec)
 
 
 def test_world_size_one_and_warnings_print_once():

@@ -282,9 +282,6 @@ class _Pending:
             self.refs.add(r)
             self.used = True
 
-    def __len__(self) -> int:
-        return len(self.refs)
-
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait until no callback is left (True) or ``timeout`` seconds passed (False)."""
         if timeout is None:

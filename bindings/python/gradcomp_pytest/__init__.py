@@ -10,9 +10,6 @@ parametrised over:
   ``dtype``   "float32", "float16", "bfloat16".
 """
 
-import gradcomp
-
-
 def pytest_addoption(parser):
     parser.addoption("--codec", action="append", default=[], metavar="SPEC",
                      help="gradcomp contract suite: a codec spec to check (repeatable); default: every "
@@ -20,6 +17,8 @@ def pytest_addoption(parser):
 
 
 def _specs(config):
+    import gradcomp
+
     given = config.getoption("codec") or []
     if given:
         for s in given:
@@ -29,6 +28,8 @@ def _specs(config):
 
 
 def _devices():
+    import gradcomp
+
     out = ["cpu"]
     try:
         import torch

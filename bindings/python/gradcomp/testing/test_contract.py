@@ -1,6 +1,6 @@
 """The codec contract suite (see gradcomp.testing for what it checks and how to run it).
 
-Every test takes ``spec`` (and ``dtype`` / ``device``), parametrised by gradcomp.testing.plugin.
+Every test takes ``spec`` (and ``dtype`` / ``device``), parametrised by the pytest plugin gradcomp_pytest.
 Seeds are fixed per test and named in the assertion messages.
 """
 

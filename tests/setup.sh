@@ -35,8 +35,13 @@ fi
 
 # The nvcc of the CUDA toolkit, when installed, is found through PATH.
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
-echo "setup: building gradcomp (GRADCOMP_CUDA=${GRADCOMP_CUDA:-AUTO}) into build/py"
+# CUDA for one architecture here (GRADCOMP_CUDA_ARCHS, default 80: sm_80 code and compute_80 PTX,
+# which the driver compiles for newer GPUs): the PTX check of the test command compiles every
+# kernel for sm_90 (tests/gpu/check_ptx.sh), and tests/gpu/run.sh builds for sm_90 on a GPU
+# machine; a plain `pip install .` builds 80 and 90.
+archs=${GRADCOMP_CUDA_ARCHS:-80}
+echo "setup: building gradcomp (GRADCOMP_CUDA=${GRADCOMP_CUDA:-AUTO}, CUDA architectures $archs) into build/py"
 GRADCOMP_TESTS=ON GRADCOMP_BENCH=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
-  -Cbuild-dir=build/py .
+  -Cbuild-dir=build/py -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$archs" .
 echo "setup: done ($(.venv/bin/python -c 'import gradcomp, json; print(json.dumps(gradcomp.build_info()))'))"

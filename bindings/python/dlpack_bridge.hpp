@@ -1,23 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
 // DLPack bridge (DESIGN.md section 6): turns any object with __dlpack__ (torch, numpy, ...) into a
 // zero-copy gradcomp::Tensor view. Calls __dlpack__(stream=...) without max_version, accepts only
-// legacy "dltensor" capsules (DLPack 0.6, Debian's libdlpack-dev), renames them "used_dltensor"
+// legacy "dltensor" capsules (DLPack 0.6 to 0.8's ABI, dlpack_abi.hpp), renames them "used_dltensor"
 // and calls their deleter when the view is released.
 #pragma once
 
-#include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
 
 #include <sstream>
 #include <string>
 
+#include "dlpack_abi.hpp"
 #include "gradcomp/gradcomp.hpp"
 
 namespace gradcomp::python {
 
 namespace py = pybind11;
 
-//! Owns a consumed DLManagedTensor and calls its deleter exactly once.
+//! Owns a consumed dlpack::DLManagedTensor and calls its deleter exactly once.
 class DLOwner {
  public:
   DLOwner() = default;
@@ -27,7 +27,7 @@ class DLOwner {
   ~DLOwner() {
     if (m_ && m_->deleter) m_->deleter(m_);
   }
-  DLManagedTensor* m_ = nullptr;
+  dlpack::DLManagedTensor* m_ = nullptr;
 };
 
 inline std::string shape_str(const int64_t* v, int n) {
@@ -38,18 +38,18 @@ inline std::string shape_str(const int64_t* v, int n) {
   return os.str();
 }
 
-inline DType dtype_from_dl(DLDataType t, const char* what) {
+inline DType dtype_from_dl(dlpack::DLDataType t, const char* what) {
   if (t.lanes == 1) {
-    if (t.code == kDLFloat && t.bits == 32) return DType::float32;
-    if (t.code == kDLFloat && t.bits == 16) return DType::float16;
-    if (t.code == kDLBfloat && t.bits == 16) return DType::bfloat16;
-    if (t.code == kDLUInt && t.bits == 8) return DType::uint8;
-    if (t.code == kDLInt && t.bits == 8) return DType::int8;
-    if (t.code == kDLInt && t.bits == 32) return DType::int32;
-    if (t.code == kDLInt && t.bits == 64) return DType::int64;
-    if (t.code == kDLUInt && t.bits == 32) return DType::uint32;
-    if (t.code == kDLUInt && t.bits == 64) return DType::uint64;
-    if (t.code == kDLUInt && t.bits == 16) return DType::none;  // only with a dtype override (bfloat16 numpy)
+    if (t.code == dlpack::kDLFloat && t.bits == 32) return DType::float32;
+    if (t.code == dlpack::kDLFloat && t.bits == 16) return DType::float16;
+    if (t.code == dlpack::kDLBfloat && t.bits == 16) return DType::bfloat16;
+    if (t.code == dlpack::kDLUInt && t.bits == 8) return DType::uint8;
+    if (t.code == dlpack::kDLInt && t.bits == 8) return DType::int8;
+    if (t.code == dlpack::kDLInt && t.bits == 32) return DType::int32;
+    if (t.code == dlpack::kDLInt && t.bits == 64) return DType::int64;
+    if (t.code == dlpack::kDLUInt && t.bits == 32) return DType::uint32;
+    if (t.code == dlpack::kDLUInt && t.bits == 64) return DType::uint64;
+    if (t.code == dlpack::kDLUInt && t.bits == 16) return DType::none;  // only with a dtype override (bfloat16 numpy)
   }
   throw InvalidArgument(detail::concat(what, ": DLPack dtype (code ", int(t.code), ", bits ", int(t.bits), ", lanes ",
                                        int(t.lanes),
@@ -70,7 +70,7 @@ inline Tensor from_dlpack(py::handle obj, DLOwner& owner, const char* what, intp
   const int dev_type = dev[0].cast<int>();
   py::object cap;
   try {
-    if (dev_type == kDLCUDA) cap = obj.attr("__dlpack__")(py::arg("stream") = stream == 0 ? 1 : stream);
+    if (dev_type == dlpack::kDLCUDA) cap = obj.attr("__dlpack__")(py::arg("stream") = stream == 0 ? 1 : stream);
     else cap = obj.attr("__dlpack__")();
   } catch (py::error_already_set& e) {
     if (e.matches(PyExc_BufferError)) {
@@ -92,10 +92,10 @@ inline Tensor from_dlpack(py::handle obj, DLOwner& owner, const char* what, intp
   PyObject* c = cap.ptr();
   if (!PyCapsule_IsValid(c, "dltensor"))
     throw InvalidArgument(detail::concat(what, ": __dlpack__ returned a capsule that is not an unused legacy 'dltensor'"));
-  auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+  auto* m = static_cast<dlpack::DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
   PyCapsule_SetName(c, "used_dltensor");
   owner.m_ = m;
-  const DLTensor& t = m->dl_tensor;
+  const dlpack::DLTensor& t = m->dl_tensor;
 
   Tensor out;
   DType dt = dtype_from_dl(t.dtype, what);
@@ -121,9 +121,9 @@ inline Tensor from_dlpack(py::handle obj, DLOwner& owner, const char* what, intp
   }
   out.data = t.data ? static_cast<char*>(t.data) + t.byte_offset : nullptr;
   switch (t.device.device_type) {
-    case kDLCPU:
-    case kDLCUDAHost: out.device = {DeviceKind::cpu, 0}; break;
-    case kDLCUDA: out.device = {DeviceKind::cuda, t.device.device_id}; break;
+    case dlpack::kDLCPU:
+    case dlpack::kDLCUDAHost: out.device = {DeviceKind::cpu, 0}; break;
+    case dlpack::kDLCUDA: out.device = {DeviceKind::cuda, t.device.device_id}; break;
     default:
       throw Unsupported(detail::concat(what, ": DLPack device type ", int(t.device.device_type),
                                        " is not supported; accepted: CPU, CUDA"));

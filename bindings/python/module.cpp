@@ -211,7 +211,8 @@ PYBIND11_MODULE(_C, m) {
     d["openmp"] = b.openmp;
     d["cpu_isa"] = b.cpu_isa;
     d["cpu_variants"] = b.cpu_variants;
-    d["dlpack_version"] = DLPACK_VERSION;
+    d["blas"] = b.blas;
+    d["dlpack_version"] = gradcomp::python::dlpack::kDLPackVersion;
     return d;
   });
   m.def(

@@ -51,7 +51,7 @@ struct CodecProperties {
   bool sparse = false;
 };
 
-//! The key of codecs that draw random numbers (Random123 Philox keyed by
+//! The key of codecs that draw random numbers (Philox keyed by
 //! values every rank shares). It travels in a 16-byte packet section (u64 seed, u32 step, u32
 //! bucket, little-endian), so decode needs no side channel. Codecs without randomness ignore it.
 struct EncodeContext {

@@ -19,7 +19,8 @@
 //! copy); the matrices must not overlap. P is one contiguous float32 tensor [count, rows, rank] and
 //! Q one [count, cols, rank] (rank fastest: PyTorch's [b, n, r] / [b, m, r] views). All sizes are
 //! elements; offsets are int64 on the host. Everything runs on the device of the tensors (CPU:
-//! OpenBLAS and OpenMP; CUDA: cuBLAS and gradcomp kernels, on `stream`, never synchronizing the
+//! gradcomp's loops on OpenMP, and OpenBLAS at ranks 1 and > 16 where the build has it, see
+//! build_info().blas; CUDA: cuBLAS and gradcomp kernels, on `stream`, never synchronizing the
 //! host), and all tensors of one call must be on the same device.
 //!
 //! Floating point. project() and back_project() are BLAS GEMMs (float32 in and out; the order of

@@ -117,6 +117,7 @@ struct BuildInfo {
   int dlpack_version = 0; //!< filled by the Python bindings
   std::string cpu_isa;      //!< the CPU kernel variant that runs: "avx512", "avx2", "generic" or "native"
   std::string cpu_variants; //!< the variants compiled in, e.g. "avx512,avx2,generic"
+  std::string blas;         //!< the CPU BLAS low rank calls at ranks 1 and > 16: "openblas" or "none" (GRADCOMP_BLAS)
 };
 BuildInfo build_info();
 

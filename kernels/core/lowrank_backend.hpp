@@ -70,7 +70,7 @@ namespace detail {
 //! The second key word of random_normal's Philox4x64-10 (lowrank.hpp): key = {seed, this}.
 inline constexpr uint64_t kLowrankPhiloxKey1 = 0x9E3779B97F4A7C15ull;
 
-// ---- CPU (kernels/cpu/lowrank.cpp): OpenBLAS + OpenMP on gradcomp's thread count ---------------
+// ---- CPU (kernels/cpu/lowrank.cpp): OpenMP on gradcomp's thread count (+ OpenBLAS: GRADCOMP_BLAS)
 void cpu_project(const MatrixBatch& m, const Tensor& q, const Tensor& p, int64_t rank);
 void cpu_back_project(const MatrixBatch& m, const Tensor& p, const Tensor& q, int64_t rank);
 void cpu_orthogonalize(const Tensor& x, int64_t count, int64_t rows, int64_t rank, float epsilon,

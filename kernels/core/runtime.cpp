@@ -200,6 +200,7 @@ BuildInfo build_info() {
   b.version = GRADCOMP_VERSION;
   b.cpu_isa = cpu_isa();
   b.cpu_variants = GRADCOMP_CPU_VARIANTS;
+  b.blas = GRADCOMP_HAVE_BLAS ? "openblas" : "none";
   if (const detail::DeviceRuntime* rt = detail::cuda_runtime()) {
     b.cuda = true;
     b.cuda_architectures = GRADCOMP_CUDA_ARCHS;

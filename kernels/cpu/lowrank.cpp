@@ -7,15 +7,21 @@
 // every element of M are compiled in every variant (namespace cpu::<variant>):
 // lowrank_reconstruct_units (reconstruct's inner loop: r products and sums per element, and the
 // float16 / bfloat16 rounding), lowrank_project_rows and lowrank_back_project_cols (project /
-// back_project at ranks kSmallRankMin..kSmallRankMax = 2..16). Everything else is defined once, in
-// the dispatching compilation (GRADCOMP_CPU_EMIT_TABLES: the generic variant, or the single one of
-// a GRADCOMP_NATIVE=ON build), which also picks the variant's loops (cpu_isa()). Rank 1 calls
-// OpenBLAS's sgemv, ranks above 16 its sgemm (OpenBLAS picks its own kernels per CPU);
+// back_project: at ranks kSmallRankMin..kSmallRankMax = 2..16 in a build with OpenBLAS, at every
+// rank without it). Everything else is defined once, in the dispatching compilation
+// (GRADCOMP_CPU_EMIT_TABLES: the generic variant, or the single one of a GRADCOMP_NATIVE=ON build),
+// which also picks the variant's loops (cpu_isa()). OpenBLAS is optional (CMake GRADCOMP_BLAS:
+// AUTO uses it where found, ON requires it, OFF never; GRADCOMP_HAVE_BLAS=1/0 here,
+// build_info().blas "openblas" / "none"): with it rank 1 calls its sgemv and ranks above 16 its
+// sgemm (OpenBLAS picks its own kernels per CPU); without it gradcomp's loops serve ranks 1 and
+// > 16 as well (they take any rank: project's passes go over the ranks K at a time, the chunk of
+// Qt and back_project's block shrink to 8192 / rank and 65536 / rank columns, at least 16).
 // orthogonalize and random_normal are cheap next to them. Every variant computes the same fixed
-// float32 expressions, so neither reconstruct's bits nor those of project / back_project at ranks
-// 2..16 depend on the variant (or on the thread count).
+// float32 expressions, so neither reconstruct's bits nor those of project / back_project on
+// gradcomp's loops (ranks 2..16; every rank without OpenBLAS) depend on the variant (or on the
+// thread count).
 //
-// project / back_project at ranks 2..16 read M once (OpenBLAS's sgemm packs M first, a copy: at
+// gradcomp's project / back_project loops read M once (OpenBLAS's sgemm packs M first, a copy: at
 // rank 4 on a 4096 x 4096 matrix, one thread of this 2-core Zen 4 VM, sgemm took 10-11 ms, sgemv
 // at rank 1 about 3.5 ms and a memcpy of the same 64 MiB 7 ms; these loops 3 ms at rank 2, 4 ms at
 // rank 4, 6-7 ms at rank 8, 9 ms at rank 16, compute-bound there). No FMA: binary32 products and
@@ -38,18 +44,37 @@
 // sgemm's FMA kernel wins). Above 16 project is compute-bound and loses to sgemm (ranks 24, 32),
 // hence the bound. Rank 1 stays on sgemv (these loops: the same at 4096 x 4096, faster at 1024 x
 // 25088, slower at 2048 x 512).
+// Without OpenBLAS (GRADCOMP_BLAS=OFF against AUTO with Debian's OpenBLAS 0.3.21; BM_Lowrank,
+// 4096 x 4096, count 1; 2-core AMD EPYC (Zen 4, AVX-512) VM, GRADCOMP_NATIVE=ON, 2026-12-03), one
+// thread (OpenBLAS run with OPENBLAS_NUM_THREADS=1), ms, these loops / OpenBLAS:
+//   project       rank 1: 2.6 / 2.6 (sgemv)   rank 4: 4.3 / 3.8 (the same loops: noise)   rank 32: 22.3 / 18.4 (sgemm)
+//   back_project  rank 1: 2.9 / 2.6 (sgemv)   rank 4: 3.7 / 3.9                           rank 32:  8.4 / 19.2 (sgemm)
+// so at most 1.2x slower (rank 32 project), 2.3x faster at rank 32 back_project (sgemm packs M^T).
+// Two threads (OpenBLAS on its default two; ranges of three runs, this VM is noisy), ms: project
+// rank 1 2.7-3.1 / 1.9-2.3, rank 4 3.4-3.7 / 3.3-3.9, rank 32 15.2-19.0 / 14.8-24.1; back_project
+// rank 1 2.7-3.8 / 1.8-2.2, rank 4 3.3-5.2 / 3.2-3.9, rank 32 7.3-10.3 / 14.7-24.6: rank 1 about
+// 1.4x slower on two threads (memory-bound: gradcomp's rank 1 does not gain from the second).
 //
-// Threads. Every step runs on gradcomp's thread count (cpu_threads_for: 1 below 64 Ki elements,
-// else get_num_threads(), or 1 while a core is found contended), in OpenMP regions of this file;
-// OpenBLAS is set to one thread (openblas_set_num_threads(1), once, process-wide for the system
-// OpenBLAS) and called from the team's threads, each on its own slice, so that OpenBLAS's threads
-// never compete with the team's (four processes on two cores in the benchmarks).
+// Threads. Every step on gradcomp's loops runs on gradcomp's thread count (cpu_threads_for: 1
+// below 64 Ki elements, else get_num_threads(), or 1 while a core is found contended), in OpenMP
+// regions of this file. OpenBLAS (ranks 1 and > 16 where built with it) is called once per matrix
+// from the calling thread, outside any team of gradcomp's, and runs on its own threads: whatever
+// the user or another library in the process gave it (OPENBLAS_NUM_THREADS,
+// openblas_set_num_threads); gradcomp never changes that setting (issue 20: it is process-wide, and
+// the system OpenBLAS may be shared with numpy or the user's code). Why not the team, each thread
+// on its own slice, as before: without setting OpenBLAS to one thread, T team threads each calling
+// a multi-threaded OpenBLAS would oversubscribe the cores (T times OpenBLAS's threads; Debian's
+// pthreads OpenBLAS also serializes concurrent callers on its server). The cost: at those ranks
+// gradcomp's set_num_threads / adaptive threads do not apply (OpenBLAS's own setting does), and a
+// batch of matrices runs one matrix at a time (each on OpenBLAS's threads). A build without
+// OpenBLAS has no such exception.
 //  - project, P_b = M_b Q_b: the work units are (matrix, slice of its rows); back_project,
 //    Q_b = M_b^T P_b: (matrix, slice of its columns: of whole 16-column groups at ranks 2..16).
 //    One unit per matrix when count >= threads. Each unit's scratch (project: Qt and the partial
 //    sums; back_project: a block of Qt) is a thread_local buffer of the thread that runs it, kept
-//    between calls. At ranks 1 and > 16 the order of the sums is OpenBLAS's (the header promises
-//    nothing more).
+//    between calls. At ranks 1 and > 16 with OpenBLAS the order of the sums is OpenBLAS's, which
+//    may depend on its thread count and CPU kernel (the header promises nothing more); without
+//    OpenBLAS every rank has the fixed order above.
 //  - orthogonalize: one matrix per thread (a matrix's arithmetic is sequential, so its bits do not
 //    depend on the thread count).
 //  - reconstruct: units of (matrix, row, block of 4096 columns); Q is first transposed into a
@@ -57,7 +82,7 @@
 //    between calls) so the inner loops run over contiguous columns.
 //  - random_normal: contiguous slices of the elements.
 // Sizes: a dimension above 2^31 - 1 (OpenBLAS's int) raises Unsupported in project/back_project
-// (at every rank, so that the limit does not depend on the rank).
+// (at every rank and in builds without OpenBLAS too, so that the limit depends on neither).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -365,10 +390,10 @@ uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob& j, int
 
 #if defined(GRADCOMP_CPU_EMIT_TABLES)
 
+#if GRADCOMP_HAVE_BLAS
 #include <cblas.h>
+#endif
 #include <omp.h>
-
-#include <Random123/philox.h>
 
 #include <climits>
 #include <cmath>
@@ -377,6 +402,7 @@ uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob& j, int
 #include <mutex>
 #include <vector>
 
+#include "../common/philox.hpp"
 #include "../core/family.hpp"
 #include "../core/lowrank_backend.hpp"
 #include "gradcomp/packet.hpp"
@@ -430,16 +456,11 @@ using gradcomp::detail::concat;
 using gradcomp::detail::cpu::partition;
 using gradcomp::detail::cpu::TeamClock;
 
-void blas_single_thread() {
-  static std::once_flag once;
-  std::call_once(once, [] { openblas_set_num_threads(1); });
-}
-
 void check_blas_dims(const MatrixBatch& m, const char* call) {
   constexpr int64_t kInt = INT_MAX;
   if (m.rows > kInt || m.cols > kInt)
     throw Unsupported(concat(call, ": matrices of shape [", m.rows, ", ", m.cols,
-                             "]: the CPU backend (OpenBLAS, 32-bit int sizes) takes rows and cols up to 2^31 - 1"));
+                             "]: the CPU backend (32-bit int sizes, OpenBLAS's) takes rows and cols up to 2^31 - 1"));
 }
 
 //! Slices per matrix (of its n rows or columns): enough for `T` threads over `count` matrices.
@@ -482,7 +503,8 @@ float* thread_scratch(int64_t n) {
   return buf.get() + ((64 - a % 64) % 64) / sizeof(float);
 }
 
-bool small_rank(int64_t rank) { return rank >= kSmallRankMin && rank <= kSmallRankMax; }
+//! Whether gradcomp's own loops serve `rank` (every rank without BLAS; 2..16 with it).
+bool own_loops(int64_t rank) { return !GRADCOMP_HAVE_BLAS || (rank >= kSmallRankMin && rank <= kSmallRankMax); }
 
 } // namespace
 
@@ -491,9 +513,9 @@ void cpu_project(const MatrixBatch& m, const Tensor& q, const Tensor& p, int64_t
   const float* base = m.base.ptr<const float>();
   const float* Q = q.ptr<const float>();
   float* P = p.ptr<float>();
-  const int T = cpu_threads_for(m.count * m.rows * m.cols);
-  const int64_t S = slices_per_matrix(m.count, T, m.rows);
-  if (small_rank(rank)) {
+  if (own_loops(rank)) {
+    const int T = cpu_threads_for(m.count * m.rows * m.cols);
+    const int64_t S = slices_per_matrix(m.count, T, m.rows);
     const GemmJob job{base, m.offsets, Q, P, m.rows, m.cols, rank};
     const auto unit = gradcomp::detail::cpu::lowrank_loops().project;
     const int64_t need = project_scratch(m.cols, rank);
@@ -505,22 +527,21 @@ void cpu_project(const MatrixBatch& m, const Tensor& q, const Tensor& p, int64_t
     });
     return;
   }
-  blas_single_thread();
-  run_units(m.count * S, T, [&](int64_t u) {
-    const int64_t b = u / S, s = u % S;
-    int64_t r0 = 0, r1 = 0;
-    partition(m.rows, int(S), int(s), r0, r1);
-    if (r1 <= r0) return;
-    // P_b[r0:r1] (rows x rank) = M_b[r0:r1] (rows x cols, row-major, ld cols) Q_b (cols x rank, ld rank)
+#if GRADCOMP_HAVE_BLAS
+  // OpenBLAS at ranks 1 and > 16: one call per matrix from the calling thread, outside any team of
+  // gradcomp's, on OpenBLAS's own threads (its setting, never changed here: see Threads at the top)
+  for (int64_t b = 0; b < m.count; ++b) {
+    // P_b (rows x rank) = M_b (rows x cols, row-major, ld cols) Q_b (cols x rank, ld rank)
     if (rank == 1) {  // matrix-vector (OpenBLAS's GEMM packs its operands: slower for one column)
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, int(r1 - r0), int(m.cols), 1.0f, base + m.offsets[b] + r0 * m.cols,
-                  int(m.cols), Q + b * m.cols, 1, 0.0f, P + b * m.rows + r0, 1);
-      return;
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, int(m.rows), int(m.cols), 1.0f, base + m.offsets[b], int(m.cols),
+                  Q + b * m.cols, 1, 0.0f, P + b * m.rows, 1);
+      continue;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(r1 - r0), int(rank), int(m.cols), 1.0f,
-                base + m.offsets[b] + r0 * m.cols, int(m.cols), Q + b * m.cols * rank, int(rank), 0.0f,
-                P + (b * m.rows + r0) * rank, int(rank));
-  });
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(m.rows), int(rank), int(m.cols), 1.0f,
+                base + m.offsets[b], int(m.cols), Q + b * m.cols * rank, int(rank), 0.0f, P + b * m.rows * rank,
+                int(rank));
+  }
+#endif
 }
 
 void cpu_back_project(const MatrixBatch& m, const Tensor& p, const Tensor& q, int64_t rank) {
@@ -528,10 +549,10 @@ void cpu_back_project(const MatrixBatch& m, const Tensor& p, const Tensor& q, in
   const float* base = m.base.ptr<const float>();
   const float* P = p.ptr<const float>();
   float* Q = q.ptr<float>();
-  const int T = cpu_threads_for(m.count * m.rows * m.cols);
-  if (small_rank(rank)) {
+  if (own_loops(rank)) {
     // slices of whole 16-column groups (a slice's bits do not depend on its bounds; aligned
     // groups only keep the vector loop full)
+    const int T = cpu_threads_for(m.count * m.rows * m.cols);
     const int64_t groups = (m.cols + kLanes - 1) / kLanes;
     const int64_t S = slices_per_matrix(m.count, T, groups);
     const GemmJob job{base, m.offsets, P, Q, m.rows, m.cols, rank};
@@ -546,41 +567,34 @@ void cpu_back_project(const MatrixBatch& m, const Tensor& p, const Tensor& q, in
     });
     return;
   }
-  blas_single_thread();
-  const int64_t S = slices_per_matrix(m.count, T, m.cols);
-  run_units(m.count * S, T, [&](int64_t u) {
-    const int64_t b = u / S, s = u % S;
-    int64_t c0 = 0, c1 = 0;
-    partition(m.cols, int(S), int(s), c0, c1);
-    if (c1 <= c0) return;
-    // Q_b[c0:c1] (cols x rank) = (M_b[:, c0:c1])^T (M_b: rows x cols, ld cols) P_b (rows x rank)
+#if GRADCOMP_HAVE_BLAS
+  for (int64_t b = 0; b < m.count; ++b) {  // as in cpu_project: the calling thread, OpenBLAS's threads
+    // Q_b (cols x rank) = M_b^T (M_b: rows x cols, ld cols) P_b (rows x rank)
     if (rank == 1) {
-      cblas_sgemv(CblasRowMajor, CblasTrans, int(m.rows), int(c1 - c0), 1.0f, base + m.offsets[b] + c0, int(m.cols),
-                  P + b * m.rows, 1, 0.0f, Q + b * m.cols + c0, 1);
-      return;
+      cblas_sgemv(CblasRowMajor, CblasTrans, int(m.rows), int(m.cols), 1.0f, base + m.offsets[b], int(m.cols),
+                  P + b * m.rows, 1, 0.0f, Q + b * m.cols, 1);
+      continue;
     }
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(c1 - c0), int(rank), int(m.rows), 1.0f,
-                base + m.offsets[b] + c0, int(m.cols), P + b * m.rows * rank, int(rank), 0.0f,
-                Q + (b * m.cols + c0) * rank, int(rank));
-  });
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(m.cols), int(rank), int(m.rows), 1.0f,
+                base + m.offsets[b], int(m.cols), P + b * m.rows * rank, int(rank), 0.0f, Q + b * m.cols * rank,
+                int(rank));
+  }
+#endif
 }
 
 namespace {
 
 //! random_normal's element e (lowrank.hpp): Philox4x64-10 of counter {e, stream, 0, 0} and key
-//! {seed, kLowrankPhiloxKey1} (Random123), Box-Muller on the first two words in binary64:
+//! {seed, kLowrankPhiloxKey1} (kernels/common/philox.hpp), Box-Muller on the first two words in binary64:
 //!   u1 = ((x0 >> 11) + 1) * 2^-53 in (0, 1],  u2 = (x1 >> 11) * 2^-53 in [0, 1)
 //!   value = float(sqrt(-2.0 * log(u1)) * cos(kTwoPi * u2)),  kTwoPi = binary64(2 pi)
 //! (glibc's log and cos; the products in binary64, rounded once to binary32).
 inline float normal_at(uint64_t e, uint64_t seed, uint64_t stream_id) {
-  using G = r123::Philox4x64;
-  const G::ctr_type c = {{e, stream_id, 0, 0}};
-  const G::key_type k = {{seed, kLowrankPhiloxKey1}};
-  const G::ctr_type r = G()(c, k);
+  const philox::Ctr4x64 r = philox::philox4x64_10({e, stream_id, 0, 0}, {seed, kLowrankPhiloxKey1});
   constexpr double kInv53 = 1.0 / 9007199254740992.0;  // 2^-53
   constexpr double kTwoPi = 6.283185307179586;         // binary64(2 pi) = 2 * binary64(pi)
-  const double u1 = double((r.v[0] >> 11) + 1) * kInv53;
-  const double u2 = double(r.v[1] >> 11) * kInv53;
+  const double u1 = double((r[0] >> 11) + 1) * kInv53;
+  const double u2 = double(r[1] >> 11) * kInv53;
   return float(std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2));
 }
 

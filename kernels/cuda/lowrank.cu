@@ -61,15 +61,13 @@
 // e = common::sub_rn(e, T) in the same pass (one read of e). Status bit 0: block-level OR
 // (__syncthreads_or), then one atomicOr per block that saw a non-finite stored value.
 //
-// random_normal: grid-stride, one Philox4x64-10 (Random123; Salmon et al., SC 2011) block per
-// element and the header's Box-Muller in binary64 (CUDA's log and cos, __dsqrt_rn, rounded once
+// random_normal: grid-stride, one Philox4x64-10 block per element (kernels/common/philox.hpp;
+// Salmon et al., SC 2011) and the header's Box-Muller in binary64 (CUDA's log and cos, __dsqrt_rn, rounded once
 // with __double2float_rn). CUDA's log/cos are not glibc's, so a value may differ from the CPU's in
 // its last float bit in rare cases; every CUDA device gives the same bits. The Box-Muller function
 // is __noinline__ so that tests/gpu/check_ptx.sh can exempt it, and it alone, from the rule that no
 // kernel holds an fma.rn (CUDA's binary64 log and cos are built from FMAs).
 #include <cublas_v2.h>
-
-#include <Random123/philox.h>
 
 #include <algorithm>
 #include <array>
@@ -79,6 +77,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "../common/philox.hpp"
 #include "../core/lowrank_backend.hpp"
 #include "common.cuh"
 
@@ -204,15 +203,12 @@ void gemms(const MatrixBatch& m, const float* in, float* out, int64_t rank, bool
 //! float(sqrt(-2 log u1) * cos(kTwoPi * u2)) in binary64 (kTwoPi = binary64(2 pi)), rounded once.
 //! __noinline__: the one function whose FMAs (CUDA's log and cos) check_ptx.sh accepts.
 __device__ __noinline__ float lowrank_box_muller(uint64_t e, uint64_t seed, uint64_t stream_id) {
-  using G = r123::Philox4x64_R<10>;
-  const G::ctr_type c = {{e, stream_id, 0, 0}};
-  const G::key_type k = {{seed, kLowrankPhiloxKey1}};
-  const G::ctr_type r = G()(c, k);
+  const gradcomp::philox::Ctr4x64 r = gradcomp::philox::philox4x64_10({e, stream_id, 0, 0}, {seed, kLowrankPhiloxKey1});
   constexpr double kInv53 = 1.0 / 9007199254740992.0;  // 2^-53
   constexpr double kTwoPi = 6.283185307179586;         // binary64(2 pi)
   // the integers are below 2^53 + 1: converted exactly
-  const double u1 = __dmul_rn(__ull2double_rn((r.v[0] >> 11) + 1), kInv53);
-  const double u2 = __dmul_rn(__ull2double_rn(r.v[1] >> 11), kInv53);
+  const double u1 = __dmul_rn(__ull2double_rn((r[0] >> 11) + 1), kInv53);
+  const double u2 = __dmul_rn(__ull2double_rn(r[1] >> 11), kInv53);
   return __double2float_rn(__dmul_rn(__dsqrt_rn(__dmul_rn(-2.0, log(u1))), cos(__dmul_rn(kTwoPi, u2))));
 }
 

@@ -5,9 +5,11 @@
 //    |column of Q| (project) and 1e-5 * |column of M| * |column of P| (back_project) + 1e-30, on
 //    every CPU variant, at ranks 1 (sgemv), 2..16 (gradcomp's kernels: ranks on both sides of
 //    their blockings, columns not a multiple of 16, several column chunks / blocks) and 17, 20
-//    (sgemm); NaN in M reaches exactly its row of P / column of Q; ranks 2..16 give the same bits
-//    at 1, 2 and 3 threads and on every CPU variant (kernels/cpu/lowrank.cpp's fixed order per
-//    element: the header promises only a GEMM's tolerance);
+//    (sgemm; gradcomp's kernels in a GRADCOMP_BLAS=OFF build, which also runs ranks 1, 17, 32, 40
+//    through the bits test); NaN in M reaches exactly its row of P / column of Q; ranks 2..16 (all
+//    ranks without OpenBLAS) give the same bits at 1, 2 and 3 threads and on every CPU variant
+//    (kernels/cpu/lowrank.cpp's fixed order per element: the header promises only a GEMM's
+//    tolerance); OpenBLAS's thread count is left as it was (GRADCOMP_HAVE_BLAS builds);
 //  - orthogonalize: |Q^T Q - I| < 1e-5 and the Gram-Schmidt triangular span (column k of X in the
 //    span of output columns 0..k, residual < 1e-5 |x_k|, positive diagonal) for well-conditioned
 //    input; vs a binary64 Gram-Schmidt within 1e-5; zero columns (exact, and exactly cancelled by
@@ -131,7 +133,8 @@ const Shape kShapes[] = {{1, 1, 1, 1},   {1, 1, 37, 1},  {1, 41, 1, 1},   {5, 1,
 const Shape kGemmShapes[] = {
     {3, 2, 45, 2},   {3, 45, 2, 2},    {2, 19, 50, 3},  {2, 50, 19, 5},   {3, 17, 31, 7},  {1, 16, 16, 16},
     {4, 23, 48, 12}, {2, 37, 129, 16}, {1, 9, 5000, 2}, {1, 17, 700, 16}, {1, 19, 4200, 16}, {2, 3, 70, 3},
-    {1, 33, 20, 17}, {2, 24, 40, 20},  {1, 70, 300, 6}, {2, 12, 257, 4}};
+    {1, 33, 20, 17}, {2, 24, 40, 20},  {1, 70, 300, 6}, {2, 12, 257, 4}, {1, 70, 301, 32}, {2, 45, 90, 45},
+    {1, 40, 9000, 24}, {1, 3, 70000, 1}, {1, 70000, 3, 1}};
 
 // ---- project / back_project ---------------------------------------------------------------------
 struct IsaScope {
@@ -252,7 +255,12 @@ TEST(Lowrank, SmallRankBitsDoNotDependOnThreadsOrVariant) {
   std::mt19937_64 g(ref::test_seed() + 3);
   IsaScope keep;
   const Shape shapes[] = {{1, 300, 517, 2}, {1, 263, 301, 5}, {1, 130, 1001, 16}, {3, 130, 260, 4},
-                          {3, 97, 250, 9}, {1, 2, 40000, 2}, {1, 40000, 2, 2}};
+                          {3, 97, 250, 9}, {1, 2, 40000, 2}, {1, 40000, 2, 2},
+#if !GRADCOMP_HAVE_BLAS  // without OpenBLAS every rank runs on gradcomp's kernels
+                          {1, 300, 517, 1}, {3, 130, 260, 1}, {1, 1, 70000, 1}, {1, 70000, 1, 1},
+                          {1, 130, 1001, 17}, {3, 97, 250, 32}, {1, 40, 40000, 40}
+#endif
+  };
   for (const Shape& s : shapes) {
     SCOPED_TRACE(::testing::Message() << "count " << s.count << " shape [" << s.rows << ", " << s.cols << "] rank "
                                       << s.rank);
@@ -280,6 +288,28 @@ TEST(Lowrank, SmallRankBitsDoNotDependOnThreadsOrVariant) {
       }
   }
 }
+
+#if GRADCOMP_HAVE_BLAS
+extern "C" int openblas_get_num_threads(void);
+extern "C" void openblas_set_num_threads(int);
+TEST(Lowrank, OpenBlasThreadCountIsUntouched) {
+  // issue 20: the OpenBLAS of the process may be shared (numpy, the user's own code): project /
+  // back_project at ranks 1 (sgemv) and 32 (sgemm) leave its thread count as it was, on 1 and 2
+  // gradcomp threads (a team: >= 64 Ki elements).
+  std::mt19937_64 g(ref::test_seed() + 4);
+  openblas_set_num_threads(2);  // this test's own setting (one process per test: gtest_discover_tests)
+  const int before = openblas_get_num_threads();
+  for (int threads : {1, 2})
+    for (int64_t rank : {1, 32}) {
+      ref::Threads th(threads);
+      Batch m = make_batch(2, 300, 517, g);
+      std::vector<float> q = randn(2 * 517 * rank, g), p(size_t(2 * 300 * rank)), q2(q.size());
+      lr::project(m.view(), f32(q), f32(p), rank);
+      lr::back_project(m.view(), f32(p), f32(q2), rank);
+      EXPECT_EQ(openblas_get_num_threads(), before) << "rank " << rank << " threads " << threads;
+    }
+}
+#endif
 
 TEST(Lowrank, ProjectAndBackProjectPropagateNaN) {
   std::mt19937_64 g(ref::test_seed() + 2);

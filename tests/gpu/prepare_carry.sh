@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Fills gpu-carry/ (git-ignored) with the build dependencies a GPU runner without network may lack,
-# copied from this machine's Debian packages: GoogleTest sources (googletest), DLPack headers
-# (libdlpack-dev), Random123 headers (librandom123-dev), Google Benchmark (libbenchmark-dev:
-# headers, libraries and its CMake package) and OpenBLAS (libopenblas-dev, pthread flavour, for the
-# CPU low-rank GEMMs: cblas.h, openblas_config.h, f77blas.h and libopenblas.so.0 with the two
-# libraries it needs, libgfortran.so.5 and libquadmath.so.0; about 40 MB of the 64 MiB a device
-# call carries). tests/gpu/run.sh points CMake at them.
+# copied from this machine's Debian packages: GoogleTest sources (googletest), Google Benchmark
+# (libbenchmark-dev: headers, libraries and its CMake package) and OpenBLAS (libopenblas-dev,
+# pthread flavour, for the CPU low-rank GEMMs: cblas.h, openblas_config.h, f77blas.h and
+# libopenblas.so.0 with the two libraries it needs, libgfortran.so.5 and libquadmath.so.0; about
+# 40 MB of the 64 MiB a device call carries). Random123 and DLPack are not needed (gradcomp has
+# its own Philox and DLPack ABI). tests/gpu/run.sh points CMake at them.
 # Usage: tests/gpu/prepare_carry.sh [DEST]   (default: <repo>/gpu-carry)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dest=${1:-$root/gpu-carry}
 rm -rf "$dest"
-mkdir -p "$dest/include"
+mkdir -p "$dest"
 
 copy_dir() { # src dst what
   if [[ -d "$1" ]]; then cp -a "$1" "$2"; echo "prepare_carry: $3 <- $1"; else echo "prepare_carry: $3 not found at $1 (skipped)"; fi
 }
 copy_dir /usr/src/googletest "$dest/googletest" "GoogleTest sources"
-copy_dir /usr/include/dlpack "$dest/include/dlpack" "DLPack headers"
-copy_dir /usr/include/Random123 "$dest/include/Random123" "Random123 headers"
 
 # Google Benchmark, in the Debian layout so that its CMake package finds itself relative to
 # <dest>/benchmark (headers, lib/<multiarch>/libbenchmark*, lib/<multiarch>/cmake/benchmark).

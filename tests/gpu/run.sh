@@ -73,7 +73,6 @@ prefix=()
 if [[ -d $carry ]]; then
   echo "using gpu-carry/: $(ls "$carry" | tr '\n' ' ')"
   [[ -d $carry/googletest ]] && args+=(-DGRADCOMP_GTEST_SOURCE_DIR="$carry/googletest")
-  [[ -d $carry/include/dlpack ]] && args+=(-DDLPACK_INCLUDE_DIR="$carry/include")
   if [[ -d $carry/benchmark ]]; then
     bdir=$(dirname "$(find "$carry/benchmark" -name benchmarkConfig.cmake | head -1)")
     [[ -n $bdir ]] && args+=(-Dbenchmark_DIR="$bdir")
@@ -81,8 +80,6 @@ if [[ -d $carry ]]; then
     export LD_LIBRARY_PATH="$(dirname "$(dirname "$bdir")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   fi
   prefix+=("$carry")
-  export CPATH="$carry/include${CPATH:+:$CPATH}" # Random123, dlpack for any compile
-  [[ -f $carry/include/Random123/philox.h ]] && args+=(-DGRADCOMP_RANDOM123_INCLUDE_DIR="$carry/include")
   # OpenBLAS (the CPU low-rank GEMMs): CMakeLists.txt's cache variables, and the loader path for
   # libopenblas.so.0 and its libgfortran / libquadmath (the linker resolves them through it too)
   if [[ -f $carry/openblas/lib/libopenblas.so.0 ]]; then

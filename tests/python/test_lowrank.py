@@ -136,7 +136,7 @@ def round_to(t32, dtype):
 
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHAPES = [(1, 1, 1, 1), (1, 1, 50, 1), (1, 60, 1, 1), (5, 1, 33, 1), (5, 40, 1, 1), (1, 12, 7, 7), (5, 7, 12, 7),
-          (5, 33, 17, 4), (1, 200, 150, 4), (3, 500, 64, 8)]
+          (5, 33, 17, 4), (1, 200, 150, 4), (3, 500, 64, 8), (1, 300, 260, 1), (2, 90, 130, 24)]
 
 
 # ---- the steps ------------------------------------------------------------------------------------
@@ -345,6 +345,50 @@ def test_cuda_runs_on_the_current_stream_and_matches_cpu():
             assert np.array_equal(got, want), device
     assert np.abs(res["cpu"][0] - res["cuda"][0]).max() < 1e-4
     assert np.abs(res["cpu"][1] - res["cuda"][1]).max() < 1e-4 * np.abs(res["cpu"][1]).max()
+
+
+# ---- the CPU BLAS (GRADCOMP_BLAS: OpenBLAS at ranks 1 and > 16, or gradcomp's loops at every rank) --
+def _module_openblas():
+    """The OpenBLAS gradcomp._C links (dlsym through _C's handle searches _C and its dependencies,
+    not numpy's own suffixed copy), or None in a GRADCOMP_BLAS=OFF build."""
+    import ctypes
+
+    lib = ctypes.CDLL(gradcomp._C.__file__)
+    return lib if hasattr(lib, "openblas_get_num_threads") else None
+
+
+def test_build_info_blas_matches_the_build():
+    info = gradcomp.build_info()
+    assert info["blas"] in ("openblas", "none")
+    assert (info["blas"] == "openblas") == (_module_openblas() is not None)
+    configured = os.environ.get("GRADCOMP_BLAS", "AUTO").upper()  # pip install . reads it too
+    if configured in ("ON", "OFF"):
+        assert info["blas"] == ("openblas" if configured == "ON" else "none")
+
+
+@pytest.mark.skipif(gradcomp.build_info()["blas"] != "openblas", reason="a build without OpenBLAS")
+def test_openblas_thread_count_is_left_alone():
+    """issue 20: the process's OpenBLAS may be shared; ranks 1 (sgemv) and 32 (sgemm) leave its
+    thread count as it was (on 1 and 2 gradcomp threads: a team at 300 x 517)."""
+    lib = _module_openblas()
+    old_blas, old_threads = lib.openblas_get_num_threads(), gradcomp.get_num_threads()
+    rng = np.random.default_rng(20)
+    rows, cols = 300, 517
+    m = torch.from_numpy(rng.standard_normal(rows * cols).astype(F32))
+    try:
+        lib.openblas_set_num_threads(2)
+        before = lib.openblas_get_num_threads()
+        for threads in (1, 2):
+            gradcomp.set_num_threads(threads)
+            for rank in (1, 32):
+                q = torch.from_numpy(rng.standard_normal((1, cols, rank)).astype(F32))
+                p = torch.empty(1, rows, rank)
+                lowrank.project(m, [0], rows, cols, q, p)
+                lowrank.back_project(m, [0], rows, cols, p, q)
+                assert lib.openblas_get_num_threads() == before, (rank, threads)
+    finally:
+        lib.openblas_set_num_threads(old_blas)
+        gradcomp.set_num_threads(old_threads)
 
 
 # ---- arguments ------------------------------------------------------------------------------------

@@ -320,7 +320,7 @@ class Codec:
             divisor: x' is divided by it before compression (e.g. the world size).
             workspace: scratch buffer; the codec's cached one when None.
             key: ``(seed, step, bucket)``, the EncodeContext of codecs that draw random numbers
-                (Random123 Philox keyed by values every rank shares; it travels in the packet, so
+                (Philox keyed by values every rank shares; it travels in the packet, so
                 decode needs no key). Ignored by the others; default (0, 0, 0).
 
         Returns:

@@ -21,7 +21,8 @@ as flat): matrix ``b`` is the row-major ``[rows, cols]`` block starting at eleme
 the buffer's numel). ``P`` is a contiguous float32 tensor ``[count, rows, rank]`` and ``Q`` one
 ``[count, cols, rank]`` (``count = len(offsets)``; rank fastest, PyTorch's ``[b, n, r]`` views),
 ``1 <= rank <= min(rows, cols)``. All sizes are elements. Every tensor of a call is on one device:
-the CPU (OpenBLAS and OpenMP on :func:`gradcomp.set_num_threads` threads) or one CUDA device
+the CPU (gradcomp's loops on :func:`gradcomp.set_num_threads` threads; OpenBLAS, on its own
+threads, at ranks 1 and > 16 where ``build_info()["blas"]`` is ``"openblas"``) or one CUDA device
 (cuBLAS and gradcomp kernels on ``torch.cuda.current_stream(device)``, never synchronizing).
 
 Floating point. ``project`` / ``back_project`` are float32 GEMMs (their order of sums is the
@@ -162,8 +163,9 @@ def project(m: Any, offsets: Sequence[int], rows: int, cols: int, q: Any, p: Any
     Returns:
         ``p``.
 
-    A float32 GEMM (OpenBLAS on the CPU, cuBLAS on CUDA on the current stream): the order of its
-    sums is the BLAS's, so compare it with a tolerance (about 1e-6 of ``|M_b row| * |Q column|``).
+    A float32 GEMM (gradcomp's loops or OpenBLAS on the CPU, cuBLAS on CUDA on the current
+    stream): the order of its sums is the library's, so compare it with a tolerance (about 1e-6 of
+    ``|M_b row| * |Q column|``).
 
     Raises:
         gradcomp.InvalidArgumentError: dtypes, shapes, rank, offsets, devices or overlaps not as

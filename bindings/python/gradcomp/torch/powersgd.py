@@ -21,7 +21,7 @@ the README's "PowerSGD" section has the measured speed):
 - two collectives per bucket, not three: the tensors that do not pay (fewer than 2 dimensions,
   fewer than ``min_compress_numel`` elements, or ``(n + m) r * min_compression_rate >= n m``)
   travel in ONE float32 allreduce together with the P factors, then the Q factors in a second;
-- the steps run in gradcomp's kernels (:mod:`gradcomp.lowrank`: OpenBLAS / cuBLAS GEMMs batched
+- the steps run in gradcomp's kernels (:mod:`gradcomp.lowrank`: gradcomp's / OpenBLAS / cuBLAS GEMMs batched
   over same-shape matrices, Gram-Schmidt in float64 sums, the residual update fused into the
   output pass), with no clone of the bucket, no new error tensor and no device synchronize;
 - the residuals are float32 whatever the bucket dtype, keyed by parameter name in a

@@ -6,7 +6,8 @@
 #      runs (only what changed recompiles): the C++ core, the GoogleTest suite and the Python
 #      module gradcomp._C, which is copied beside the sources (bindings/python/gradcomp/, ignored
 #      by git) so that the tests import the sources as they are, not the installed package;
-#   2. ctest on that build;
+#   2. ctest -LE slow on that build (the GoogleTest entries labelled slow, tests/cpp/CMakeLists.txt,
+#      are left to the whole suite);
 #   3. pytest -m "not slow" on the sources (every codec's contract through the bindings, every
 #      scheme on 2 gloo ranks, the hooks, the planner; the slow modules, the DeepSpeed trainings,
 #      the failure cases and the main job's end-to-end runs are left to the whole suite) and the
@@ -30,7 +31,7 @@ stage() { # name command...
   return $rc
 }
 run_ctest() {
-  if ctest --test-dir "$build" --output-on-failure -j2 > "$build/ctest.log" 2>&1; then
+  if ctest --test-dir "$build" --output-on-failure -j2 -LE slow > "$build/ctest.log" 2>&1; then
     grep -E "tests passed|tests failed" "$build/ctest.log"
   else
     tail -60 "$build/ctest.log"; return 1

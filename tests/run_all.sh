@@ -2,8 +2,10 @@
 # Set up and run every test: the GoogleTest suite (CUDA tests are built whenever nvcc is found
 # and skip without a GPU), the portable-build check, the PTX check of the CUDA kernels, the pytest suite (with the codec
 # contract suite gradcomp.testing), the GoogleTest suite again under AddressSanitizer + UBSan +
-# LeakSanitizer (tests/sanitize.sh), the libFuzzer targets (tests/fuzz/run.sh) and a C++ project
-# built against the installed package (tests/consumer/run.sh).
+# LeakSanitizer (tests/sanitize.sh), the libFuzzer targets (tests/fuzz/run.sh), a C++ project
+# built against the installed package (tests/consumer/run.sh) and the package built from PyPI alone
+# with Debian's development packages and CUDA hidden, repaired by auditwheel and checked by the
+# contract suite (tests/pypi_only.sh).
 # Prints the time of each stage at the end. Exits non-zero on any failure.
 # (After a change, tests/quick.sh is the quick tier: about 2 minutes.)
 set -euo pipefail
@@ -35,6 +37,8 @@ stage "pytest" .venv/bin/python -m pytest tests/python -q -p no:cacheprovider --
 stage "the codec contract suite (pytest --pyargs gradcomp.testing)" \
   .venv/bin/python -m pytest --pyargs gradcomp.testing -q -p no:cacheprovider || status=1
 stage "C++ consumer of the installed package (tests/consumer/run.sh)" bash tests/consumer/run.sh build/py || status=1
+stage "pip wheel from PyPI alone, auditwheel, contract suite on the repaired wheel (tests/pypi_only.sh)" \
+  bash tests/pypi_only.sh || status=1
 stage "GoogleTest under AddressSanitizer + UBSan + LeakSanitizer (tests/sanitize.sh)" bash tests/sanitize.sh || status=1
 stage "libFuzzer targets (tests/fuzz/run.sh)" bash tests/fuzz/run.sh || status=1
 report

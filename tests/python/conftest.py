@@ -1,5 +1,19 @@
 """Shared pytest configuration for tests/python (several test files; keep additions small)."""
 
+import sys
+
+# markers that tag whole modules (pytest -m selects on them; none of them deselects by itself):
+# multiproc - real gloo process groups (pools or spawned processes); deepspeed - DeepSpeed
+# trainings or its backend; netns - network namespaces (root)
+_MODULE_MARKERS = {
+    "multiproc": ("test_charlm", "test_compressor", "test_ddp_hook", "test_deepspeed_backend",
+                  "test_deepspeed_integration", "test_experiment", "test_failures", "test_hierarchical",
+                  "test_links", "test_optim", "test_parity", "test_powersgd", "test_torch_integration",
+                  "test_two_phase"),
+    "deepspeed": ("test_deepspeed_backend", "test_deepspeed_integration"),
+    "netns": ("test_links",),
+}
+
 
 def pytest_configure(config):
     # test_codec_large.py: tensors of 2^31 + 64 elements; runs by default, deselect with -m 'not large'
@@ -7,6 +21,9 @@ def pytest_configure(config):
     # the whole suite runs everything; tests/quick.sh deselects these with -m 'not slow'
     config.addinivalue_line("markers", "slow: left out of the quick tier (tests/quick.sh): trainings in subprocesses, "
                                        "failure cases, end-to-end runs, the large sizes")
+    config.addinivalue_line("markers", "multiproc: runs real gloo process groups (pools of spawned ranks, subprocesses)")
+    config.addinivalue_line("markers", "deepspeed: DeepSpeed's engine or its communication backend")
+    config.addinivalue_line("markers", "netns: network namespaces and shaped links (needs root and iproute2)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,3 +36,15 @@ def pytest_collection_modifyitems(config, items):
         world = cs.params.get("world") if cs is not None else None
         if item.get_closest_marker("large") is not None or (isinstance(world, int) and world > 2):
             item.add_marker(pytest.mark.slow)
+        module = getattr(item, "module", None)
+        name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
+        for marker, modules in _MODULE_MARKERS.items():
+            if name in modules:
+                item.add_marker(getattr(pytest.mark, marker))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # the gloo pools shared by the session (gloo_pools.py)
+    pools = sys.modules.get("gloo_pools")
+    if pools is not None:
+        pools.close_all()

@@ -15,7 +15,14 @@ Modes (all: the same model, data and hyper-parameters: lr 3e-4, freeze_step 2):
              sys.path (the test puts 0.19.8 there), bound with gradcomp.deepspeed.install(engine);
   client_torch_adam  torch.optim.Adam as the client optimizer: reports install()'s TypeError.
 
-Usage: python ds_onebit_job.py OPTIMIZER MODE PORT"""
+Usage: python ds_onebit_job.py OPTIMIZER MODE PORT
+       python ds_onebit_job.py --batch PORT OPTIMIZER:MODE [OPTIMIZER:MODE ...]
+The batch form runs the trainings one after another in the same 2 processes (one spawn, one torch
+and DeepSpeed import per rank for all of them; each training builds its model, optimizer and engine
+anew, torch.set_num_threads(1) before each) and prints one line per training as soon as both ranks
+have finished it, in order: "RESULT OPTIMIZER MODE <json>"; a training that raised on a rank prints
+"ERROR OPTIMIZER MODE <json>" and ends the job (exit status 3: the group may be stuck in a
+collective; the test reruns the trainings after it in a new job)."""
 
 import json
 import math
@@ -197,42 +204,89 @@ def run_torch(rank, world, opt_name, mode):
     return model, opt, losses, allreduce, dense_calls, None
 
 
-def worker(rank, world, port, opt_name, mode, q):
+def run_one(rank, world, opt_name, mode):
+    """One training on the initialized group: the result record of this rank."""
+    torch.set_num_threads(1)
+    if mode in ("plain", "ddp"):
+        model, opt, losses, allreduce, dense_calls, version = run_torch(rank, world, opt_name, mode)
+    else:
+        if mode == "client_torch_adam":
+            return dict(run_engine(rank, world, opt_name, mode), rank=rank)
+        model, opt, losses, allreduce, dense_calls, version = run_engine(rank, world, opt_name, mode)
+    stats = opt.comm_stats() if hasattr(opt, "comm_stats") else None
+    return {"rank": rank, "losses": losses, "allreduce": allreduce, "dense_calls": dense_calls,
+            "error_sum": error_sum(opt), "deepspeed": version, "optimizer": type(opt).__name__,
+            "comm_stats": stats,
+            "params": [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]}
+
+
+def worker(rank, world, port, configs, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    i = 0
     try:
-        if mode in ("plain", "ddp"):
+        if all(mode in ("plain", "ddp") for _, mode in configs):
             dist.init_process_group("gloo", rank=rank, world_size=world)
-            model, opt, losses, allreduce, dense_calls, version = run_torch(rank, world, opt_name, mode)
         else:
             import deepspeed
+            import deepspeed.comm.torch  # noqa: F401 (deepspeed.comm.torch, the attribute, is torch itself)
 
+            # DeepSpeed's shared-memory op serves only inference_all_reduce (tensor-parallel
+            # inference), which no training here calls; init_distributed JIT-compiles it (~40 s of
+            # C++ on 2 cores, again whenever the other DeepSpeed version built it last: both use
+            # one cache folder): left out
+            sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
             deepspeed.init_distributed(dist_backend="gloo")
-            if mode == "client_torch_adam":
-                q.put(dict(run_engine(rank, world, opt_name, mode), rank=rank))
-                return
-            model, opt, losses, allreduce, dense_calls, version = run_engine(rank, world, opt_name, mode)
-        stats = opt.comm_stats() if hasattr(opt, "comm_stats") else None
-        q.put({"rank": rank, "losses": losses, "allreduce": allreduce, "dense_calls": dense_calls,
-               "error_sum": error_sum(opt), "deepspeed": version, "optimizer": type(opt).__name__,
-               "comm_stats": stats,
-               "params": [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]})
+        for i, (opt_name, mode) in enumerate(configs):
+            q.put((i, run_one(rank, world, opt_name, mode)))
     except BaseException as e:  # the parent prints it
         import traceback
 
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        q.put((i, {"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
         raise
 
 
-if __name__ == "__main__":
-    opt_name, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def main(configs, port):
+    """Runs ``configs`` [(optimizer, mode)] on 2 spawned ranks; prints RESULT / ERROR lines; exit status."""
+    import queue
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, opt_name, mode, q)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, configs, q)) for r in range(2)]
     for p in procs:
         p.start()
-    res = sorted((q.get(timeout=300) for _ in procs), key=lambda d: d["rank"])
-    for p in procs:
-        p.join(timeout=60)
-    print("RESULT " + json.dumps(res))
+    got = {}
+    status = 0
+    try:
+        for i, (opt_name, mode) in enumerate(configs):
+            while len(got.get(i, [])) < len(procs):
+                try:
+                    j, rec = q.get(timeout=300)
+                except queue.Empty:
+                    print(f"ERROR {opt_name} {mode} " + json.dumps([{"error": "no result within 300 s"}]), flush=True)
+                    status = 4
+                    return status
+                got.setdefault(j, []).append(rec)
+                if "error" in rec:  # a rank failed: report what its training said, end the job
+                    print(f"ERROR {configs[j][0]} {configs[j][1]} " + json.dumps([rec]), flush=True)
+                    status = 3
+                    return status
+            res = sorted(got.pop(i), key=lambda d: d["rank"])
+            print(f"RESULT {opt_name} {mode} " + json.dumps(res), flush=True)
+    finally:
+        for p in procs:
+            p.join(timeout=60 if status == 0 else 1)
+            if p.is_alive():
+                p.kill()
+    return status
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--batch":
+        port = int(sys.argv[2])
+        configs = [tuple(c.split(":", 1)) for c in sys.argv[3:]]
+        sys.exit(main(configs, port))
+    opt_name, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rc = main([(opt_name, mode)], port)
+    sys.exit(rc)

@@ -214,10 +214,9 @@ def test_charlm_end_to_end(tmp_path):
 
 @pytest.fixture(scope="module")
 def pool():
-    from gradcomp.torch.pool import GlooPool
+    import gloo_pools
 
-    with GlooPool(2, threads=1) as p:
-        yield p
+    return gloo_pools.pool(2)  # the session's 2-rank pool (gloo_pools.py; one thread per rank, the default)
 
 
 def _run(pool, **kw):

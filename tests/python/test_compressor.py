@@ -43,7 +43,7 @@ import gradcomp  # noqa: E402
 from gradcomp.torch import Compressor  # noqa: E402
 from gradcomp.torch.stats import Stats  # noqa: E402
 
-# the gloo pools and the numpy helpers of the DDP hook tests (pools closed at module teardown)
+# the gloo pools and the numpy helpers of the DDP hook tests (the session's pools: gloo_pools.py)
 from test_ddp_hook import (  # noqa: E402, F401
     bits, check_world_size_change_drops, no_host_sync, run, teardown_module, topk_average_ref)
 

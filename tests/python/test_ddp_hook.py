@@ -1,6 +1,6 @@
 """gradcomp.torch DDP hook with real gloo process groups (2 or 4 CPU processes, spawn).
 
-The processes live in a pool (gradcomp.torch.pool.GlooPool) shared by the tests of this module;
+The processes live in a pool (gradcomp.torch.pool.GlooPool) shared by the session (gloo_pools.py);
 each test runs a job function in every rank and the assertions run inside the ranks.
 
 Bitwise comparisons (exact bits; floats compared as integer views so NaN and -0.0 count):
@@ -34,22 +34,15 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
-from gradcomp.torch.pool import GlooPool  # noqa: E402
-
-_POOLS = {}
+import gloo_pools  # noqa: E402
 
 
 def _pool(world):
-    p = _POOLS.get(world)
-    if p is None or p.closed:
-        p = GlooPool(world)
-        _POOLS[world] = p
-    return p
+    return gloo_pools.pool(world)  # the session's pools (gloo_pools.py: spawned once, closed at the end)
 
 
 def teardown_module(module):
-    for p in _POOLS.values():
-        p.close()
+    """Nothing: the pools are the session's (gloo_pools.py), closed at its end (importers import this)."""
 
 
 def run(world, fn, *args):

@@ -49,7 +49,7 @@ import gradcomp.torch as gt  # noqa: E402
 from gradcomp.schemes import SchemeContext, hierarchical  # noqa: E402
 from gradcomp.torch import Compressor  # noqa: E402
 
-# the gloo pools of the DDP hook tests (closed at module teardown)
+# the gloo pools of the DDP hook tests (the session's: gloo_pools.py)
 from test_ddp_hook import bits, ddp, run, teardown_module  # noqa: E402, F401
 
 SEED = 20261212

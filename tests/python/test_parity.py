@@ -23,22 +23,11 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
 import gradcomp.torch as gt  # noqa: E402
-from gradcomp.torch.pool import GlooPool  # noqa: E402
-
-_POOLS = {}
+import gloo_pools  # noqa: E402
 
 
 def _pool(world):
-    p = _POOLS.get(world)
-    if p is None or p.closed:
-        p = GlooPool(world)
-        _POOLS[world] = p
-    return p
-
-
-def teardown_module(module):
-    for p in _POOLS.values():
-        p.close()
+    return gloo_pools.pool(world)  # the session's pools (gloo_pools.py), shared with test_ddp_hook's
 
 
 class Flat(nn.Module):

@@ -37,7 +37,7 @@ import gradcomp  # noqa: E402
 import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch import Compressor  # noqa: E402
 
-# the gloo pools and helpers of the DDP hook tests (pools closed at module teardown)
+# the gloo pools and helpers of the DDP hook tests (the session's pools: gloo_pools.py)
 from test_ddp_hook import (  # noqa: E402, F401
     Params, check_world_size_change_drops, ddp, grads_for, no_host_sync, run, teardown_module)
 

@@ -22,7 +22,9 @@ and DeepSpeed import per rank for all of them; each training builds its model, o
 anew, torch.set_num_threads(1) before each) and prints one line per training as soon as both ranks
 have finished it, in order: "RESULT OPTIMIZER MODE <json>"; a training that raised on a rank prints
 "ERROR OPTIMIZER MODE <json>" and ends the job (exit status 3: the group may be stuck in a
-collective; the test reruns the trainings after it in a new job)."""
+collective; the test reruns the trainings after it in a new job). With DS_ONEBIT_RESULTS=FILE the
+lines go to FILE instead (written by this process alone: on the shared stdout, a rank's DeepSpeed
+warning can land inside a line longer than the pipe's atomic write of 4096 bytes)."""
 
 import json
 import math
@@ -247,6 +249,18 @@ def worker(rank, world, port, configs, q):
         raise
 
 
+def emit(kind, opt_name, mode, payload):
+    """One RESULT / ERROR line: to $DS_ONEBIT_RESULTS when set (appended, flushed), else stdout."""
+    line = f"{kind} {opt_name} {mode} " + json.dumps(payload) + "\n"
+    path = os.environ.get("DS_ONEBIT_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(line)
+    else:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
 def main(configs, port):
     """Runs ``configs`` [(optimizer, mode)] on 2 spawned ranks; prints RESULT / ERROR lines; exit status."""
     import queue
@@ -264,16 +278,16 @@ def main(configs, port):
                 try:
                     j, rec = q.get(timeout=300)
                 except queue.Empty:
-                    print(f"ERROR {opt_name} {mode} " + json.dumps([{"error": "no result within 300 s"}]), flush=True)
+                    emit("ERROR", opt_name, mode, [{"error": "no result within 300 s"}])
                     status = 4
                     return status
                 got.setdefault(j, []).append(rec)
                 if "error" in rec:  # a rank failed: report what its training said, end the job
-                    print(f"ERROR {configs[j][0]} {configs[j][1]} " + json.dumps([rec]), flush=True)
+                    emit("ERROR", configs[j][0], configs[j][1], [rec])
                     status = 3
                     return status
             res = sorted(got.pop(i), key=lambda d: d["rank"])
-            print(f"RESULT {opt_name} {mode} " + json.dumps(res), flush=True)
+            emit("RESULT", opt_name, mode, res)
     finally:
         for p in procs:
             p.join(timeout=60 if status == 0 else 1)

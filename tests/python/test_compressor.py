@@ -1,6 +1,6 @@
 """gradcomp.torch.Compressor on real gloo process groups (2 and 3 CPU processes, spawn), outside DDP.
 
-The processes live in pools (gradcomp.torch.pool.GlooPool, test_ddp_hook's) shared by the tests;
+The processes live in pools (gradcomp.torch.pool.GlooPool, gloo_pools.py) shared by the session;
 the assertions run inside the ranks. Inputs come from generators seeded with (SEED, rank, step,
 name); every assertion message names the seed.
 
@@ -11,7 +11,7 @@ Bitwise comparisons (floats compared as integer views, so NaN and -0.0 count):
   - codec fp16 (sum) vs the same emulation of its arithmetic: RNE_fp16(float32(t) / W) (numpy),
     SUM-allreduced in float16;
   - top-k 0.01 with error feedback (gather) vs the independent numpy reference of
-    test_ddp_hook.topk_average_ref: x' = g + r, q = x' / W in float32, exact top-k by |q| (NaN
+    ddp_helpers.topk_average_ref: x' = g + r, q = x' / W in float32, exact top-k by |q| (NaN
     first, ties to the lowest index), summed in rank order in float32 from +0.0, rounded once;
     residual x' - W * D at sent indices, x' elsewhere; several steps, so residuals carry over;
   - the result on every rank; residuals after a state_dict round trip and one more step;
@@ -44,8 +44,8 @@ from gradcomp.torch import Compressor  # noqa: E402
 from gradcomp.torch.stats import Stats  # noqa: E402
 
 # the gloo pools and the numpy helpers of the DDP hook tests (the session's pools: gloo_pools.py)
-from test_ddp_hook import (  # noqa: E402, F401
-    bits, check_world_size_change_drops, no_host_sync, run, teardown_module, topk_average_ref)
+from ddp_helpers import (  # noqa: E402, F401
+    bits, check_world_size_change_drops, no_host_sync, run, topk_average_ref)
 
 SEED = 20261201
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")

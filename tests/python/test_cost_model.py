@@ -409,7 +409,7 @@ def job_auto(rank, world, spec, model_kind):
     import logging
 
     import gradcomp.torch as gt
-    from test_ddp_hook import ddp
+    from ddp_helpers import ddp
 
     if model_kind == "two_nodes_100mbit":
         cm = planner.CostModel(planner.Link(math.inf, 5e-5), planner.Link.parse("100mbit", 5e-5, per_node=True), 2,
@@ -451,7 +451,7 @@ def test_auto_cost_model_on_gloo_ranks(spec):
     hierarchical on two nodes joined at 100 Mb/s; the same choice (and bitwise the same average)
     on every rank, the choice logged once with every candidate's predicted time, and equal to
     the planner's own choice for the bucket."""
-    from test_ddp_hook import run
+    from ddp_helpers import run
 
     codec = gradcomp.Codec(spec)
     for kind in ("unlimited", "100mbit", "two_nodes_100mbit"):

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from test_ddp_hook import run, teardown_module  # noqa: E402, F401
+from ddp_helpers import run  # noqa: E402, F401
 
 TOL = 2.0 ** -20
 

@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -62,14 +63,19 @@ def _job(configs, current):
             f"{DS_CURRENT} is missing: tests/setup.sh installs DeepSpeed 0.19.8 there"
         env["PYTHONPATH"] = os.pathsep.join([DS_CURRENT] + [x for x in [env.get("PYTHONPATH")] if x])
     cmd = [sys.executable, os.path.join(HERE, "ds_onebit_job.py"), "--batch", str(next(_ports))]
-    try:
-        p = subprocess.run(cmd + [f"{o}:{m}" for o, m in configs], capture_output=True, text=True, timeout=900,
-                           env=env)
-        out, err, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out, err, rc = e.stdout or "", e.stderr or "", "timeout"
-        out, err = [x.decode() if isinstance(x, bytes) else x for x in (out, err)]
-    return out, err, rc
+    with tempfile.TemporaryDirectory() as tmp:
+        # the result lines through a file of the job's main process (ds_onebit_job.py: on stdout a
+        # rank's DeepSpeed warning could land inside a long line)
+        env["DS_ONEBIT_RESULTS"] = results = os.path.join(tmp, "results.txt")
+        try:
+            p = subprocess.run(cmd + [f"{o}:{m}" for o, m in configs], capture_output=True, text=True, timeout=900,
+                               env=env)
+            out, err, rc = p.stdout, p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out, err, rc = e.stdout or "", e.stderr or "", "timeout"
+            out, err = [x.decode() if isinstance(x, bytes) else x for x in (out, err)]
+        lines = open(results).read() if os.path.exists(results) else ""
+    return lines, out + err, rc
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,9 +84,9 @@ def _batch(version):
     A training that fails ends its job: it gets the error, and the trainings after it run in a new job."""
     pending, results = list(BATCHES[version]), {}
     while pending:
-        out, err, rc = _job(pending, version == "0.19.8")
+        lines, err, rc = _job(pending, version == "0.19.8")
         done = 0
-        for ln in out.splitlines():
+        for ln in lines.splitlines():
             kind, _, rest = ln.partition(" ")
             if kind in ("RESULT", "ERROR"):
                 o, m, js = rest.split(" ", 2)
@@ -91,7 +97,7 @@ def _batch(version):
         if done < len(pending) and (done == 0 or not isinstance(results[pending[done - 1]], str)):
             # the job ended without a word on pending[done]: that one takes the blame
             results[pending[done]] = (f"training {pending[done]}: the job ended (status {rc}) without its "
-                                      f"result\n{out[-2000:]}{err[-4000:]}")
+                                      f"result\n{err[-6000:]}")
             done += 1
         pending = pending[done:]
     return results

@@ -1,6 +1,6 @@
 """The ``hierarchical`` scheme (gradcomp.schemes.hierarchical) through the scheme, the Compressor
 and the DDP hook, on 4 real gloo ranks as 2 nodes x 2 (L = 2 ranks per node, N = 2 nodes; rank
-r on node r // 2 with local rank r % 2), plus L = 1 and L = 4. The pools are test_ddp_hook's
+r on node r // 2 with local rank r % 2), plus L = 1 and L = 4. The pools are the session's (gloo_pools.py)
 (GlooPool(4), one thread per rank). Ranks return their inputs, outputs and residuals; the checks
 run here, against this file's own numpy references. Every message names the seed.
 
@@ -50,7 +50,7 @@ from gradcomp.schemes import SchemeContext, hierarchical  # noqa: E402
 from gradcomp.torch import Compressor  # noqa: E402
 
 # the gloo pools of the DDP hook tests (the session's: gloo_pools.py)
-from test_ddp_hook import bits, ddp, run, teardown_module  # noqa: E402, F401
+from ddp_helpers import bits, ddp, run  # noqa: E402, F401
 
 SEED = 20261212
 W, L, N = 4, 2, 2

@@ -29,7 +29,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from test_ddp_hook import run, teardown_module  # noqa: E402, F401
+from ddp_helpers import run  # noqa: E402, F401
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ds_onebit_job import ReferenceBackend  # noqa: E402

@@ -27,7 +27,7 @@ import gloo_pools  # noqa: E402
 
 
 def _pool(world):
-    return gloo_pools.pool(world)  # the session's pools (gloo_pools.py), shared with test_ddp_hook's
+    return gloo_pools.pool(world)  # the session's pools (gloo_pools.py), shared with the other modules
 
 
 class Flat(nn.Module):

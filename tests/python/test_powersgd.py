@@ -32,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as pt_psgd
 import gradcomp.torch as gt  # noqa: E402
 from gradcomp import planner  # noqa: E402
 
-from test_ddp_hook import Params, Reordered, ddp, grads_for, run, teardown_module  # noqa: E402, F401
+from ddp_helpers import Params, Reordered, ddp, grads_for, run  # noqa: E402, F401
 
 SEED = 20261201
 # |ours - PyTorch's| <= TOL * max|PyTorch's output of that step|, per tensor: float32 Gram-Schmidt /

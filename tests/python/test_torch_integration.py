@@ -1,7 +1,7 @@
 """gradcomp.torch as PyTorch users meet it: checkpoints (pickled state, strict loads), complex
 parameters, GradScaler, wrong model types, a required codec, 16-bit warnings, visible log lines.
 
-Real gloo groups (2 CPU processes, spawn; the pools of test_ddp_hook). Assertions run in the ranks.
+Real gloo groups (2 CPU processes, spawn; the session's pools, gloo_pools.py). Assertions run in the ranks.
 
 Bitwise comparisons (floats compared as integer views):
   - a pickled CompressionState (torch.save / pickle, PowerSGDState's checkpoint recipe) or
@@ -38,8 +38,8 @@ import gradcomp.torch as gt  # noqa: E402
 from gradcomp.torch import Compressor  # noqa: E402
 
 # the gloo pools and helpers of the DDP hook tests (the session's pools: gloo_pools.py)
-from test_ddp_hook import (  # noqa: E402, F401
-    Params, check_world_size_change_drops, ddp, grads_for, no_host_sync, run, teardown_module)
+from ddp_helpers import (  # noqa: E402, F401
+    Params, check_world_size_change_drops, ddp, grads_for, no_host_sync, run)
 
 SEED = 20261202
 

@@ -1,6 +1,6 @@
 """The ``two_phase`` scheme (gradcomp.schemes.two_phase) through the scheme itself, the Compressor
-and the DDP hook, on real gloo process groups (2, 3 and 4 CPU processes, spawn; the pools of
-test_ddp_hook). The assertions run inside the ranks; every message names the seed.
+and the DDP hook, on real gloo process groups (2, 3 and 4 CPU processes, spawn; the session's
+pools, gloo_pools.py). The assertions run inside the ranks; every message names the seed.
 
 The reference is an independent numpy simulation of the protocol written here (:func:`simulate`):
 the chunking, the slot layout, the rank-order float32 sums, the residual updates and the folding
@@ -54,8 +54,8 @@ from gradcomp.schemes import SchemeContext, two_phase  # noqa: E402
 from gradcomp.torch import Compressor  # noqa: E402
 
 # the gloo pools and helpers of the DDP hook tests (the session's pools: gloo_pools.py)
-from test_ddp_hook import (  # noqa: E402, F401
-    Params, Reordered, bits, check_world_size_change_drops, ddp, grads_for, no_host_sync, run, teardown_module)
+from ddp_helpers import (  # noqa: E402, F401
+    Params, Reordered, bits, check_world_size_change_drops, ddp, grads_for, no_host_sync, run)
 
 SEED = 20261203
 CASTS = ["none", "fp16", "bf16"]

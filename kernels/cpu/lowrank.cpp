@@ -399,7 +399,6 @@ uint32_t lowrank_reconstruct_units(const lowrank::detail::ReconstructJob& j, int
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "../common/philox.hpp"

@@ -46,10 +46,28 @@ flags=(-std=c++20 --expt-relaxed-constexpr -DGRADCOMP_WITH_CUDA=1 -I"$root/inclu
 status=0
 printf '%-8s %-72s %5s %6s %7s\n' file kernel regs stack spills
 
+# the compiles first, on every core (CHECK_PTX_JOBS, default nproc): per file the PTX with the
+# default fmad (step 1) and the cubin with the build's flags under -Xptxas -v (step 2); the checks
+# below read their outputs in file order
+jobs_max=${CHECK_PTX_JOBS:-$(nproc 2>/dev/null || echo 2)}
+for cu in "$root"/kernels/cuda/*.cu; do
+  name=$(basename "$cu" .cu)
+  ( "$NVCC" "${flags[@]}" -arch="$arch" -ptx "$cu" -o "$out/$name.ptx" &&
+    "$NVCC" "${flags[@]}" --fmad=false -arch="$arch" -cubin -Xptxas -v "$cu" -o "$out/$name.cubin" 2> "$out/$name.ptxas" ||
+    { touch "$out/$name.failed"; cat "$out/$name.ptxas" 2>/dev/null || true; } ) > "$out/$name.log" 2>&1 &
+  while (( $(jobs -rp | wc -l) >= jobs_max )); do wait -n || true; done
+done
+wait
+for cu in "$root"/kernels/cuda/*.cu; do
+  name=$(basename "$cu" .cu)
+  if [[ -e "$out/$name.failed" ]]; then
+    cat "$out/$name.log" >&2; echo "check_ptx: $name.cu did not compile" >&2; exit 1
+  fi
+done
+
 for cu in "$root"/kernels/cuda/*.cu; do
   name=$(basename "$cu" .cu)
   # --- 1. PTX, default fmad: count fma.rn per .entry and per .func ----------------------------------
-  "$NVCC" "${flags[@]}" -arch="$arch" -ptx "$cu" -o "$out/$name.ptx"
   awk -v ok="$FMA64_OK" '
     /^(\.visible |\.weak )?\.entry/ { fn = $0; sub(/.*\.entry[ \t]+/, "", fn); sub(/\(.*/, "", fn) }
     /^(\.visible |\.weak |\.extern )?\.func/ {
@@ -63,7 +81,6 @@ for cu in "$root"/kernels/cuda/*.cu; do
     status=1
   fi
   # --- 2. ptxas -v with the build's flags ----------------------------------------------------------------
-  "$NVCC" "${flags[@]}" --fmad=false -arch="$arch" -cubin -Xptxas -v "$cu" -o "$out/$name.cubin" 2> "$out/$name.ptxas"
   awk '
     /Compiling entry function/ { fn = $0; sub(/.*function \x27/, "", fn); sub(/\x27.*/, "", fn) }
     /bytes stack frame/ { stack = $1; spill = $5 + $9 }

@@ -5,10 +5,11 @@
 # with one ISA variant for this machine (GRADCOMP_NATIVE=ON: test_isa compares the variants in the
 # normal build, and tests/fuzz/run.sh runs every variant's encodes under clang's ASan + UBSan).
 # Any report fails the run (-fno-sanitize-recover=all, halt_on_error).
-# On this 2-core machine: about 70 s with the build kept (ctest; 306-335 s with the three ISA
-# variants before), the build from scratch about 5-6 min. The slowest entries under ASan are
-# CpuIsa.VariantsGiveIdenticalPackets (~30 s), TopKLarge.SampledPrefilter, BlockQ.PacketsMatchAPlainLoop
-# (~16 s each), TopK.SmallSweep and TopKLarge.FourMillion (~13 s each).
+# Compiled at -O1 with line tables (CMakeLists.txt: GRADCOMP_OPT for sanitizer builds; ASan's
+# recommended level, the same result bits). On this 2-core machine (2026-12-03, from scratch):
+# 168 s, of which ctest 61 s (286 s at -O3 -g, ctest 59 s; 306-335 s with three ISA variants before).
+# The slowest entries under ASan are CpuIsa.VariantsGiveIdenticalPackets, TopKLarge.SampledPrefilter,
+# BlockQ.PacketsMatchAPlainLoop, TopK.SmallSweep and TopKLarge.FourMillion (the ctest label slow).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"

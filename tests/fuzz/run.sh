@@ -5,11 +5,10 @@
 # spec, each seed's first byte naming its spec, so one corpus covers every codec; the seeds are
 # encoded once more on each lower ISA variant so that UBSan sees every variant's encodes) and runs
 # each target for a fixed time on both cores (-jobs=2 -workers=2, sharing one corpus):
-# fuzz_decode over every spec for 30 s, then fuzz_header for 10 s. In a fresh clone on this 2-core
-# machine (2026-12-03) 60 s + 20 s gave 3.95 million + 0.23 million executions and the stage took
-# 261 s, about 180 s of it the build (every ISA variant), 45 s + 15 s 3.84 million executions; with
-# the build kept the stage is the fuzzing alone (235-261 s with the former 27 runs of 2^17
-# executions each). The executions are
+# fuzz_decode over every spec for 30 s, then fuzz_header for 10 s. The build is -O1 with line
+# tables (CMakeLists.txt: GRADCOMP_OPT; every ISA variant). From scratch on this 2-core machine
+# (2026-12-03) the stage took 167 s with 2.39 million executions (236 s and 1.94 million at -O3 -g);
+# with the build kept it is the fuzzing alone, about 50 s. The executions are
 # read from libFuzzer's final stats (stat::number_of_executed_units); fewer than
 # GRADCOMP_FUZZ_MIN_EXECS (default 10^6) in all fail the run. A crash fails the run; its input is
 # kept in build/fuzz/crashes/ (turn it into a regression test in

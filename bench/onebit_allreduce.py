@@ -11,7 +11,7 @@ buffers of --numel elements (default 2^16, 2^20, 2^22; normal(0, 1), a different
 Np = numel rounded up to a multiple of 8 W, worker_error float32 Np, server_error float32 Np / W,
 both carried from call to call as in training), beside:
 
-  baseline  DeepSpeed's algorithm (reference/deepspeed.md section 1.2) written here in torch +
+  baseline  DeepSpeed's algorithm (docs/contracts.md section 6.1) written here in torch +
             numpy, step for step: buf = buffer (+ zero padding) + worker_error; scale =
             ||buf||_2 / sqrt(Np) (as ``(buf * buf).sum().sqrt()``: DeepSpeed's ``torch.norm`` of
             float32 is off by up to 8e-5 relative on this CPU at 2^22, see ``_rms``);
@@ -106,7 +106,7 @@ def _rms(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def baseline_allreduce(buffer_m: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
-    """reference/deepspeed.md section 1.2, step for step, with numpy's packbits / unpackbits."""
+    """docs/contracts.md section 6.1, step for step, with numpy's packbits / unpackbits."""
     W, r = dist.get_world_size(), dist.get_rank()
     shape, n = buffer_m.shape, buffer_m.numel()
     Np = worker_error.numel()

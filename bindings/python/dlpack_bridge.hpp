@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// DLPack bridge (DESIGN.md section 6): turns any object with __dlpack__ (torch, numpy, ...) into a
+// DLPack bridge (docs/contracts.md section 6): turns any object with __dlpack__ (torch, numpy, ...) into a
 // zero-copy gradcomp::Tensor view. Calls __dlpack__(stream=...) without max_version, accepts only
 // legacy "dltensor" capsules (DLPack 0.6 to 0.8's ABI, dlpack_abi.hpp), renames them "used_dltensor"
 // and calls their deleter when the view is released.

@@ -3,7 +3,7 @@
 //! The steps of PowerSGD low-rank compression (Vogels, Karimireddy & Jaggi, "PowerSGD: Practical
 //! Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019, algorithm 1: one step
 //! of subspace iteration with a warm-started Q), batched over matrices of the same shape. Low rank
-//! is not a Codec (DESIGN.md section 3): it is a two-round protocol (allreduce P, then Q), so the
+//! is not a Codec (docs/contracts.md section 3): it is a two-round protocol (allreduce P, then Q), so the
 //! caller (gradcomp.torch's PowerSGD hook) runs the collectives between these steps:
 //!
 //!   M  = g + e                       (the caller; e the float32 residual, held in M's buffer)

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Element math shared by the CPU and CUDA backends (DESIGN.md section 1: kernels/common is the only
+// Element math shared by the CPU and CUDA backends (docs/contracts.md section 1: kernels/common is the only
 // code both backends run). Everything here is GRADCOMP_HD: __host__ __device__ under nvcc, plain
 // inline functions under g++. The tests check these functions against independent references
 // (numpy, torch, ml_dtypes, plain loops), never against themselves.
@@ -45,7 +45,7 @@ GRADCOMP_HD float bits_float(uint32_t u) {
 #endif
 }
 
-// Fixed binary32 round-to-nearest arithmetic (DESIGN.md section 2). On the device the _rn
+// Fixed binary32 round-to-nearest arithmetic (docs/contracts.md section 2). On the device the _rn
 // intrinsics are never contracted into FMA; on the host the library is built with
 // -ffp-contract=off and without fast-math.
 //
@@ -166,7 +166,7 @@ GRADCOMP_HD uint16_t float_to_bf16_bits(float f) {
 GRADCOMP_HD float bf16_bits_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
 // ---- top-k keys -------------------------------------------------------------------------------
-// The radix key of |y| (DESIGN.md section 3): the float32 bits with the sign cleared, so that
+// The radix key of |y| (docs/contracts.md section 3): the float32 bits with the sign cleared, so that
 // -0.0 == +0.0 and unsigned order is magnitude order; every NaN maps to one key above +inf.
 inline constexpr uint32_t kNaNKey = 0x7F800001u;
 inline constexpr uint32_t kInfKey = 0x7F800000u;

@@ -6,7 +6,7 @@
 //     values rounding above 57344 (>= 61440) -> inf 0x7C|sign, NaN -> 0x7E|sign, inf -> 0x7C|sign;
 //     -0.0 and values rounding to zero keep the sign);
 //   * the float8 codes back to float32 (exact);
-//   * the block decode scale d (DESIGN.md section 3): d = fl(amax / max_finite) over the block's
+//   * the block decode scale d (docs/contracts.md section 3): d = fl(amax / max_finite) over the block's
 //     finite values, 1 for a block with no non-zero finite value, raised to the smallest normal
 //     float32 if smaller; or (scale=e8m0, the OCP MX element scale) d = 2^ceil(log2 q) with
 //     q = fl(amax / max_finite), clamped to [2^-127, 2^127], stored as its float8_e8m0fnu byte;

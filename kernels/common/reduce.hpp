@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fixed reduction tree of the chunk scales (onebit's l2 and mean_abs), shared by the CPU and
-// CUDA backends so that their sums, and so their packets, agree bit for bit (ARCHITECTURE.md:
-// kernels/common/reduce.hpp).
+// CUDA backends so that their sums, and so their packets, agree bit for bit
+// (docs/contracts.md section 2).
 //
 // A chunk of `len` elements is cut into tiles of kSumTile elements (the last one shorter). The sum
 // of a tile: lane l (0 <= l < kSumLanes) adds the terms of elements l, l + 32, l + 64, ... of the

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The declarative packet layout (DESIGN.md section 3) and everything derived from it, written
+// The declarative packet layout (docs/contracts.md section 3) and everything derived from it, written
 // once: building a layout, the header of a packet, the header check (the same function runs on
 // the host, which turns its verdict into a CorruptPacket message, and in the CUDA decode kernels,
 // which set the status word instead), the padding ranges that encoders zero, and the 16-byte key

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Codec spec parsing: "name[:key=value,...]" (DESIGN.md section 3).
+// Codec spec parsing: "name[:key=value,...]" (docs/contracts.md section 3).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU backend of the cast codecs none / fp16 / bf16 (DESIGN.md section 3): round-to-nearest-even
+// CPU backend of the cast codecs none / fp16 / bf16 (docs/contracts.md section 3): round-to-nearest-even
 // casts with error feedback fused into the same pass, and decode (assign / accumulate, alpha).
 #include <algorithm>
 #include <cstring>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU backend of exact top-k by magnitude (DESIGN.md section 3) with fused error feedback.
+// CPU backend of exact top-k by magnitude (docs/contracts.md section 3) with fused error feedback.
 //
 // Algorithm: a parallel MSD radix select over the 31-bit |y| keys (common::abs_key), digits of
 // 11, 11 and 9 bits, in the manner of AIR Top-K (Zhang et al., "Parallel Top-K Algorithms on GPU",

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA backend of the cast codecs none / fp16 / bf16 (DESIGN.md section 3). Packets are byte-for-
+// CUDA backend of the cast codecs none / fp16 / bf16 (docs/contracts.md section 3). Packets are byte-for-
 // byte those of kernels/cpu/cast.cpp: the same fixed expressions through common::add_rn / sub_rn /
 // mul_rn / div_rn (never contracted into FMA) and the same conversions (common::float_to_*_bits).
 //

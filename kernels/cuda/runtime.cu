@@ -59,7 +59,7 @@ int sm_count(int device) {
 
 namespace {
 uint32_t read_status(const Tensor& workspace, Stream stream, bool clear) {
-  // The one entry point that synchronizes (DESIGN.md section 3: gradcomp.check). On the
+  // The one entry point that synchronizes (docs/contracts.md section 3: gradcomp.check). On the
   // workspace's device: the stream belongs to it.
   DeviceGuard guard(workspace.device.index);
   const cudaStream_t s = to_cuda(stream);

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA backend of exact top-k by magnitude (DESIGN.md section 3) with fused error feedback; packets
+// CUDA backend of exact top-k by magnitude (docs/contracts.md section 3) with fused error feedback; packets
 // are byte-for-byte those of kernels/cpu/topk.cpp.
 //
 // Algorithm: multi-pass MSD radix select over the 31-bit |y| keys (common::abs_key), digits of 11,

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Reference helpers for the gtest suite (DESIGN.md section 7). Everything here is written
+// Reference helpers for the gtest suite (docs/contracts.md section 7). Everything here is written
 // independently of kernels/common/math.hpp and kernels/cpu: the float -> float16 / bfloat16
 // conversions are a nearest-value search over the sorted table of all finite 16-bit values (exact
 // midpoints computed in binary64, ties to the even bit pattern), the 16-bit -> float conversions

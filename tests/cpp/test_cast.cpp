@@ -2,7 +2,7 @@
 // The cast codecs none / fp16 / bf16 against the reference conversion (nearest-value search over
 // the sorted 16-bit values, ties to even; canonical quiet NaN with the sign kept), decode (assign /
 // accumulate with alpha into float32 / float16 / bfloat16), the non-finite sentinel and header
-// flag, the status word, and payload(). DESIGN.md sections 3 and 4.
+// flag, the status word, and payload(). docs/contracts.md sections 3 and 4.
 #include <gtest/gtest.h>
 
 #include <string>

@@ -8,7 +8,7 @@
 //    projected out, w / (norm + eps)) in long double; |GPU - ref| <= 1e-6 on well-conditioned
 //    inputs, plus orthonormality (eps = 0); zero columns bitwise +0.0, NaN / inf columns NaN;
 //  - reconstruct: BITWISE against a scalar float loop in k order written here (binary32 products
-//    and sums with the NaN rule of DESIGN.md section 2 spelled out, cuda_fp16 / cuda_bf16 host
+//    and sums with the NaN rule of docs/contracts.md section 2 spelled out, cuda_fp16 / cuda_bf16 host
 //    conversions for the output dtypes), the residual likewise; the status bit; out and residual
 //    untouched outside the matrices;
 //  - random_normal: a Philox4x64-10 written here (checked against Random123's known-answer
@@ -309,8 +309,8 @@ double orthonormality_error(const std::vector<float>& X, int64_t count, int64_t 
 
 // ---- reconstruct reference: binary32 in k order, the NaN rule spelled out -----------------------------
 float quiet(float a) { return bitsf(fbits(a) | 0x400000u); }
-//! DESIGN.md section 2: a NaN result is the first operand if NaN (quieted), else the second (quieted),
-//! else (an invalid operation) 0xFFC00000.
+//! docs/contracts.md section 2: a NaN result is the first operand if NaN (quieted), else the second
+//! (quieted), else (an invalid operation) 0xFFC00000.
 float nan_result(float a, float b) {
   if (std::isnan(a)) return quiet(a);
   if (std::isnan(b)) return quiet(b);

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Fused error feedback (DESIGN.md sections 2-4), for every codec:
+// Fused error feedback (docs/contracts.md sections 2-4), for every codec:
 //   x' = fl(x + r_old) equals fl(D + r_new) bitwise (finite values that do not overflow the wire;
 //   zeros compare by value, since +0 + -0 = +0), r_new = fl(x' - D) where D is sent and x' where
 //   top-k sent nothing; with a divisor: y = fl(x' / divisor) is what is encoded and

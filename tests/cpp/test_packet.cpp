@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Packet header contents, validation of corrupt packets on decode (CorruptPacket, nothing
 // written), and argument validation of encode/decode/packet_bytes (InvalidArgument naming the
-// values). DESIGN.md sections 2 and 3.
+// values). docs/contracts.md sections 2 and 3.
 #include <gtest/gtest.h>
 
 #include <functional>

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Codec specs: parsing, canonical form and round trip, error messages, and the top-k k rule
-// (DESIGN.md section 3).
+// (docs/contracts.md section 3).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -163,7 +163,7 @@ TEST(Spec, Errors) {
 // ---- the k rule -------------------------------------------------------------------------------
 namespace {
 int64_t k_of_ratio(double ratio, int64_t n) {
-  // DESIGN.md: k = min(n, max(1, ceil(ratio * n))) in binary64
+  // docs/contracts.md section 3: k = min(n, max(1, ceil(ratio * n))) in binary64
   const double prod = ratio * double(n);
   double k = std::ceil(prod);
   if (k < 1) k = 1;

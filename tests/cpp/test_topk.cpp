@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Top-k against a plain reference (std::stable_sort by (|y| desc, NaN above +inf, index asc)), over
 // the input dtypes, value dtypes and index widths, fresh random inputs of several distributions,
-// the DESIGN.md section-7 edge set, and sizes that take the multi-threaded, candidate-buffer,
+// the docs/contracts.md section-7 edge set, and sizes that take the multi-threaded, candidate-buffer,
 // no-buffer, three-level and early-stop paths of the CPU radix select. Packets must be byte for
 // byte identical for every thread count.
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# CI check of the CUDA kernels that needs no GPU (DESIGN.md section 2, floating-point rules):
+# CI check of the CUDA kernels that needs no GPU (docs/contracts.md section 2, floating-point rules):
 #   1. compiles every kernels/cuda/*.cu to PTX for sm_90 with nvcc's DEFAULT --fmad=true (stricter
 #      than the build's --fmad=false: the fixed expressions must not contract into FMA through the
 #      __f*_rn intrinsics alone) and fails if any kernel entry holds an `fma.rn`;

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 
 class ReferenceBackend:
-    """reference/deepspeed.md section 1.2 in plain torch (no gradcomp): DeepSpeed's compressed
+    """docs/contracts.md section 6.1 in plain torch (no gradcomp): DeepSpeed's compressed
     allreduce, step for step, with dense collectives standing in for the packed bits."""
 
     def __init__(self, mpu=None):

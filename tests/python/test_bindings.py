@@ -497,7 +497,7 @@ def test_corrupt_packet_leaves_out_untouched(spec, what, accumulate):
 
 
 def test_packet_of_other_codec_parameters_rejected():
-    """Same layout, other spec: the spec hash refuses the packet (DESIGN.md section 3)."""
+    """Same layout, other spec: the spec hash refuses the packet (docs/contracts.md section 3)."""
     x = np.arange(20, dtype=np.float32)
     a, b = gradcomp.Codec("topk:k=5"), gradcomp.Codec("topk:k=5,value_dtype=float32")
     assert a.packet_bytes(20) == b.packet_bytes(20)

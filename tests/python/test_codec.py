@@ -1,7 +1,7 @@
 """Numerics of the CPU codecs top-k, none, fp16, bf16 through the Python bindings.
 
 Every expected value comes from tests/python/test_codec_support.py (numpy / ml_dtypes references
-written from DESIGN.md, packets parsed byte by byte). Comparisons are bitwise (on the uint bit
+written from docs/contracts.md, packets parsed byte by byte). Comparisons are bitwise (on the uint bit
 patterns) unless a test says otherwise: the design fixes every float32 expression, so the CPU
 backend must agree with numpy's IEEE float32 arithmetic exactly.
 """

@@ -1,4 +1,4 @@
-"""Top-k on a bfloat16 tensor of 2^31 + 64 elements (DESIGN.md section 7: built from zeros with
+"""Top-k on a bfloat16 tensor of 2^31 + 64 elements (docs/contracts.md section 7: built from zeros with
 planted values, checked against the known answer). Runs by default; deselect with -m 'not large'.
 
 Memory: the tensor is 4 GiB; the CPU workspace (candidate buffer) about 1.6 GB; nothing else of
@@ -94,6 +94,6 @@ def test_topk_bfloat16_past_2_31():
             assert v == (0.0 if j in sent else PLANTED.get(j, 0.0)), (j, v)
     finally:
         del x
-    # DESIGN.md section 7: no timing assertions in unit tests; this one takes ~10-25 s on 2 cores
+    # docs/contracts.md section 7: no timing assertions in unit tests; this one takes ~10-25 s on 2 cores
     log_time = time.monotonic() - t0
     print(f"2^31 + 64 element top-k test: {log_time:.1f} s")

@@ -1,6 +1,6 @@
 """Independent references for the codec tests (no test cases here).
 
-Everything in this module is written from DESIGN.md sections 2-3 with numpy / ml_dtypes / torch and
+Everything in this module is written from docs/contracts.md sections 2-3 with numpy / ml_dtypes / torch and
 never calls into gradcomp: the packet is parsed byte by byte, top-k is a lexsort, the casts are
 numpy's and ml_dtypes' round-to-nearest-even conversions with NaN canonicalized here.
 """
@@ -107,7 +107,7 @@ def f32_from_bits(*u: int) -> np.ndarray:
 
 
 def make_input(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    """float32 test inputs: random plus the DESIGN.md section 7 edge set."""
+    """float32 test inputs: random plus the docs/contracts.md section 7 edge set."""
     if kind == "randn":
         return rng.standard_normal(n).astype(np.float32)
     if kind == "zeros":

@@ -1,4 +1,4 @@
-"""CUDA tensors through the Python bindings (DESIGN.md sections 3 and 6). Skipped without a GPU or
+"""CUDA tensors through the Python bindings (docs/contracts.md sections 3 and 6). Skipped without a GPU or
 in a build without CUDA; tests/gpu/run.sh runs them on the GPU machine (`pytest -k cuda`).
 
 Every check is bitwise: packets against the numpy / ml_dtypes references of test_codec_support

@@ -9,7 +9,7 @@ Bitwise comparisons (exact bits; floats compared as integer views so NaN and -0.
   - top-k (gather scheme) vs an independent numpy reference: every rank's x' = g + r (float32),
     q = x' / W (IEEE float32), exact top-k by |q| (NaN first, ties to the lowest index), values
     rounded to the bucket dtype, summed in rank order into a float32 accumulator starting at +0.0,
-    rounded once into the bucket dtype (DESIGN.md section 2: D = float(code), out = fl(out + D));
+    rounded once into the bucket dtype (docs/contracts.md section 2: D = float(code), out = fl(out + D));
     residual r_new = x' - W * D at sent indices, x' elsewhere;
   - the returned bucket on every rank; residual remapping across a bucket rebuild; checkpoint round
     trip; no_sync accumulation; join(); non-finite restore/reset; dense flush;

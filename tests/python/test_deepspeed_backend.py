@@ -1,5 +1,5 @@
 """gradcomp.deepspeed.OnebitBackend against a pure-torch re-implementation of DeepSpeed's
-compressed_allreduce (reference/deepspeed.md section 1.2) written here, not calling gradcomp:
+compressed_allreduce (docs/contracts.md section 6.1) written here, not calling gradcomp:
 padding to Np, buf += worker_error, scale = ||buf|| / sqrt(Np) over the padded length, the sign rule
 (sign(x) + 1 cast to bool: +-0.0 and NaN are +1), worker_error = buf - scale * sign, the
 all-to-all of sign chunks with the all-gather of scales, the server sum sign * (scale_j * (1/W))
@@ -108,7 +108,7 @@ def test_backend_equals_the_reference_over_calls(world, n):
 
 
 def test_golden_example():
-    """reference/deepspeed.md 1.2: W = 2, n = 13 -> Np = 16; call 1 and call 2 outputs."""
+    """docs/contracts.md section 6.1: W = 2, n = 13 -> Np = 16; call 1 and call 2 outputs."""
     outs = run(2, job_against_reference, 13, 2, True)
     call1 = [0.2355493, 0.2355493, -0.2355493, 0.2355493, -0.2355493, 0.2355493, 0.2355493, 0.2355493,
              -0.4710879, 0.4710879, 0.4710879, -0.4710879, -0.4710879]

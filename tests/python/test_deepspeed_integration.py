@@ -9,7 +9,7 @@ ZeroOneAdam:
     the same steps as with the reference backend), the error buffers are non-zero, the loss falls,
     both ranks end with bitwise equal parameters (not ZeroOneAdam, whose local steps leave the
     ranks apart), and every rank's parameters equal the same run with a pure-torch
-    re-implementation of DeepSpeed's compressed allreduce (reference/deepspeed.md 1.2) to 1e-4, a
+    re-implementation of DeepSpeed's compressed allreduce (docs/contracts.md section 6.1) to 1e-4, a
     few percent of the 8 compressed updates of lr = 3e-4 each (the scales may differ by a float32
     ulp: binary64 sums against torch.norm, and Adam divides by a variance frozen after two steps,
     which amplifies it; seen: 1.5e-5);

@@ -120,7 +120,7 @@ def test_packet_residual_and_decode_match_the_reference(spec, in_dtype, kind, n,
 
 
 def test_golden_signs_and_scale():
-    """The 13 values of DeepSpeed's golden example (reference/deepspeed.md 1.2), rank 0, one chunk:
+    """The 13 values of DeepSpeed's golden example (docs/contracts.md section 6.1), rank 0, one chunk:
     bits 11010111 01100 (the -0.0 first element is +1), scale sqrt(7.140625 / 13)."""
     x = torch.tensor([-0.0, .375, -1, .25, -.625, .5, .25, .75, -.25, 2.125, .125, -.25, -.125])
     c = gradcomp.Codec("onebit")

@@ -165,7 +165,7 @@ CHOICES = [
 
 @pytest.mark.parametrize("spec,n,dtype,W,requested,minc,want", CHOICES)
 def test_choose_scheme_table(spec, n, dtype, W, requested, minc, want):
-    """Exact: the rule of DESIGN.md section 5 / CompressionState's docstring."""
+    """Exact: the rule of docs/contracts.md section 5 / CompressionState's docstring."""
     codec = gradcomp.Codec(spec)
     if spec in ("int8", "fp8", "fp8:scale=e8m0") and n >= 1024:
         c = -(-n // W)

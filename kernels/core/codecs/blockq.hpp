@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The block-quantizer family: codecs fp8, int8 and int4 (DESIGN.md section 3), error feedback fused.
+// The block-quantizer family: codecs fp8, int8 and int4 (docs/contracts.md section 3), error feedback fused.
 //
 // y = x' / divisor (x' = x + r) is cut into blocks of `block` elements (0: the whole tensor as one
 // block), the last one shorter. Per block a float32 decode scale d (or, scale=e8m0, a power of two

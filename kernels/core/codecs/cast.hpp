@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The cast family: codecs none / fp16 / bf16 (DESIGN.md section 3). Round-to-nearest-even casts of
+// The cast family: codecs none / fp16 / bf16 (docs/contracts.md section 3). Round-to-nearest-even casts of
 // x' = x + r (divided by the divisor) to the wire dtype, error feedback fused into the same pass.
 //
 // Packet: header, then one section "payload" of exactly numel wire elements (the input dtype for

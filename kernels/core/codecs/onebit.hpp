@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The onebit family: 1-bit sign quantization with a scale per chunk and fused error feedback
-// (DESIGN.md section 3; Seide et al., Interspeech 2014; Bernstein et al., signSGD, ICML 2018;
+// (docs/contracts.md section 3; Seide et al., Interspeech 2014; Bernstein et al., signSGD, ICML 2018;
 // the error-compensated 1-bit Adam of Tang et al., ICML 2021, whose DeepSpeed rules it follows).
 //
 // y = x' / divisor (x' = x + r), n elements cut into chunks of `chunk` elements (0: the whole tensor

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The top-k family (DESIGN.md section 3): exact top-k by magnitude of y = x' / divisor, with
+// The top-k family (docs/contracts.md section 3): exact top-k by magnitude of y = x' / divisor, with
 // x' = x + r, error feedback fused (Aji & Heafield, EMNLP 2017; Lin et al., ICLR 2018).
 //
 // Keys |y| with every NaN above +inf, -0.0 == +0.0, ties at the threshold to the lowest index.

@@ -33,7 +33,7 @@ the README's "PowerSGD" section has the measured speed):
 - a zero column of P or Q stays zero, never NaN, whatever ``orthogonalization_epsilon`` (PyTorch's
   gives NaN at epsilon 0); at warm start a zero column of Q is drawn again, so a layer whose
   gradient was zero once is not stuck with a zero Q;
-- non-finite steps (DESIGN.md section 4): a step is non-finite iff the averaged bucket holds a
+- non-finite steps (docs/contracts.md section 4): a step is non-finite iff the averaged bucket holds a
   NaN or inf (every rank decides the same); then the residuals and the Qs are put back as they
   were before the step (``nonfinite="restore"``) or the residuals zeroed (``"reset"``), on the
   device, so one NaN step never poisons the state (in PyTorch's hook it does, forever);

@@ -25,6 +25,7 @@ from ._C import (  # noqa: F401
 from .codec import Codec, aligned_empty, build_info, check, codecs  # noqa: F401
 from .errors import CollectiveError, RankMismatchError  # noqa: F401
 from . import lowrank  # noqa: F401  (PowerSGD low-rank steps: gradcomp.lowrank.project, ...)
+from . import schemes  # noqa: F401  (the scheme table, handed to the planner: gradcomp.schemes.table)
 
 __version__ = build_info()["version"]
 

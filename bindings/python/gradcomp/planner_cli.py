@@ -165,8 +165,9 @@ def _codec(spec: str):
 def _schemes(args, codec, nodes: int) -> List[str]:
     if args.scheme != "all":
         return [args.scheme]
-    out = ["auto", "dense"] + (["sum"] if codec.properties["linear"] else ["two_phase"]) + ["gather"]
-    return out + (["hierarchical"] if nodes > 1 else [])
+    # the flat schemes auto's cost model considers for this codec, then (over nodes) the others
+    out = ["auto"] + list(planner.schemes.candidates(codec))
+    return out + (list(planner.schemes.names(flat=False)) if nodes > 1 else [])
 
 
 def _row(params, codec, W, model, sch, kw, args) -> dict:
@@ -410,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backward", type=float, default=None, help="backward seconds to overlap with")
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per synchronization")
     ap.add_argument("--codec", action="append", metavar="SPEC", help=f"repeatable (default: {', '.join(DEFAULT_CODECS)})")
-    ap.add_argument("--scheme", default="auto", choices=("auto", "all") + planner.ALL_SCHEMES)
+    ap.add_argument("--scheme", default="auto", choices=("auto", "all") + planner.schemes.names())
     ap.add_argument("--engine", default="nccl", choices=("nccl", "gloo"))
     ap.add_argument("--gpu", default="H200", choices=tuple(planner.DEVICE_BYTES_PER_S),
                     help="kernel times from this device's bandwidth (without --throughput)")

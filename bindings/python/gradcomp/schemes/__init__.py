@@ -3,22 +3,12 @@
 
 Each scheme is a function ``scheme(tensor, ctx, slots=None, probe=None, check=None) -> torch.futures.Future``
 that averages ``tensor`` over ``ctx.group`` in place (the Future holds ``tensor``, bitwise identical
-on every rank):
-
-- :func:`dense`: ``tensor /= W`` then one SUM allreduce (PyTorch's ``allreduce_hook``).
-- :func:`sum`: linear codecs; encode with ``divisor=W`` (and the ``"residual"`` slot), one SUM
-  allreduce of the packet's payload view ``codec.payload(numel, dtype)``, decode into ``tensor``.
-- :func:`gather`: any codec; encode with ``divisor=W``, all-gather the fixed-size packets, decode
-  all W in rank order into one float32 accumulator zeroed first, round once into ``tensor``.
-- :func:`two_phase`: any codec; cut ``tensor`` into W chunks, encode each (``divisor=W``), one
-  all-to-all so rank r gets every rank's packet of chunk r, decode them in rank order into a
-  float32 sum, re-encode it with the ``"server"`` residual, all-gather, decode (DeepSpeed 1-bit
-  Adam's compressed allreduce, Tang et al. 2021; ZeRO++ qgZ, Wang et al. 2023).
-- :func:`hierarchical`: any codec, nodes of L ranks: an uncompressed float32 reduce-scatter
-  inside the node (an allreduce on gloo), one of the four above across nodes over the N = W / L
-  ranks of the same local rank for this rank's chunk of the node sum (encode divisor W:
-  ``ctx.divisor``), an all-gather of the averaged chunks inside the node
-  (:mod:`gradcomp.schemes.hierarchical`; its groups: :mod:`gradcomp.schemes.groups`).
+on every rank), described by a :class:`gradcomp.schemes.base.Scheme` in its own module and listed
+once in :data:`gradcomp.schemes.table.TABLE` (what each does: its module's docstring, and
+``Scheme.summary``): :mod:`~gradcomp.schemes.allreduce` (``dense``, ``sum``),
+:mod:`~gradcomp.schemes.allgather` (``gather``), :mod:`~gradcomp.schemes.two_phase`,
+:mod:`~gradcomp.schemes.hierarchical`, :mod:`~gradcomp.schemes.rs_ag`. A new scheme is its file
+and one line of the table.
 
 Failures: a scheme's Future raises :class:`gradcomp.CollectiveError` when one of its collectives
 fails (nothing is decoded from a collective that did not complete: every callback is attached
@@ -30,26 +20,31 @@ first decode, and ``gather`` / ``two_phase`` compare every received packet heade
 (two_phase's all-to-all, hierarchical's intra-node step) raises at once; the caller undoes what
 the encodes changed (:mod:`gradcomp.torch.journal`).
 
-World size 1 returns ``tensor`` unchanged. ``ctx`` is a :class:`SchemeContext` (codec, group,
-world size, per-layout buffers); ``slots`` maps slot names to flat float32 tensors of
-``tensor.numel()`` elements (``"residual"``, the worker error-feedback residual) and, for
-two_phase, ``"server"`` (float32, the count of this rank's chunk; under hierarchical with inner
-two_phase, of this rank's piece of its node chunk, ``ctx.server_chunk``); ``probe``
-times the phases and sees each decode workspace (:class:`NullProbe` when None). Schemes never see
-the state of the hook or compressor that calls them.
+World size 1 returns ``tensor`` unchanged. ``ctx`` is the scheme's own context (a
+:class:`SchemeContext`: codec, group, world size, and the buffers of one bucket layout, built by
+``Scheme.context`` or :meth:`SchemeContext.for_layout`); ``slots`` maps the slot names the scheme
+lists in ``Scheme.slots`` to flat float32 tensors (``"residual"``, the worker error-feedback
+residual, ``tensor.numel()`` elements; ``"server"``, the server residual of ``Scheme.server(ctx)``);
+``probe`` times the phases and sees each decode workspace (:class:`NullProbe` when None). Schemes
+never see the state of the hook or compressor that calls them.
 
-Byte formulas for each scheme live in :mod:`gradcomp.planner`.
+The primitives of the byte formulas (ring formulas, chunking) live in :mod:`gradcomp.planner`;
+each scheme composes them in its own ``steps``, which the planner reads from the table.
 """
 
-from .allgather import gather
-from .allreduce import dense, sum  # noqa: A004 - the scheme is called sum
+from .allgather import GatherContext, gather
+from .allreduce import SumContext, dense, sum  # noqa: A004 - the scheme is called sum
+from .base import Scheme
 from .context import NullProbe, SchemeContext
 from .groups import HierarchicalGroups, engine_of, hierarchical_groups_for
-from .hierarchical import hierarchical
-from .two_phase import two_phase
+from .hierarchical import HierarchicalContext, hierarchical
+from .rs_ag import rs_ag
+from .table import TABLE
+from .two_phase import TwoPhaseContext, all_gather_phase, reduce_scatter_phase, two_phase
 
-SCHEMES = {"dense": dense, "sum": sum, "gather": gather, "two_phase": two_phase, "hierarchical": hierarchical}
-"""Scheme name -> function; the names of :data:`gradcomp.planner.ALL_SCHEMES`."""
+SCHEMES = {s.name: s.run for s in TABLE}
+"""Scheme name -> run function, in table order (from :data:`TABLE`)."""
 
-__all__ = ["SCHEMES", "HierarchicalGroups", "NullProbe", "SchemeContext", "dense", "engine_of", "gather",
-           "hierarchical", "hierarchical_groups_for", "sum", "two_phase"]
+__all__ = ["SCHEMES", "TABLE", "GatherContext", "HierarchicalContext", "HierarchicalGroups", "NullProbe", "Scheme",
+           "SchemeContext", "SumContext", "TwoPhaseContext", "all_gather_phase", "dense", "engine_of", "gather",
+           "hierarchical", "hierarchical_groups_for", "reduce_scatter_phase", "rs_ag", "sum", "two_phase"]

@@ -10,8 +10,37 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ..codec import Codec, _dtype_name, aligned_empty
+from ..planner.bytes import all_gather_bytes
+from .allreduce import SumContext, _packet
+from .base import Scheme
 from .check import check_headers
 from .context import SchemeContext, completed, one_round
+
+
+class GatherContext(SumContext):
+    """The ``gather`` scheme's buffers: those of :class:`gradcomp.schemes.allreduce.SumContext`
+    (``packet``, ``dec_codec``), ``gathered`` (uint8, W packets back to back, rank r at ``[r P,
+    (r + 1) P)``) and ``acc`` (float32, ``numel`` elements: the decode accumulator)."""
+
+    def __init__(self, codec: Codec, numel: int, dtype, device, group, world_size: int, *,
+                 rank: Optional[int] = None, divisor: Optional[int] = None):
+        super().__init__(codec, numel, dtype, device, group, world_size, divisor=divisor)
+        self.gathered = aligned_empty(self.packet, self.packet.numel() * self.world_size)
+        self.acc = torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def gather_steps(codec, numel: int, dtype, world_size: int) -> list:
+    """gather: one ``all_gather`` of this rank's packet, (W-1) P bytes."""
+    W = int(world_size)
+    if W < 2:
+        return []
+    p = int(codec.packet_bytes(numel, dtype))
+    return [("flat", "all_gather", p, W, float(all_gather_bytes(p, W)))]
+
+
+def _gather_kernels(codec, numel, dtype, world_size, tp, ef):
+    return tp.encode_s(codec, numel, dtype, ef), int(world_size) * tp.decode_s(codec, numel, dtype)
 
 
 def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
@@ -50,7 +79,7 @@ def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str
     def communicate():
         return dist.all_gather_into_tensor(ctx.gathered, ctx.packet, group=ctx.group, async_op=True)
 
-    n, dtype = tensor.numel(), str(tensor.dtype).replace("torch.", "")
+    n, dtype = tensor.numel(), _dtype_name(tensor.dtype)
 
     def receipt():
         check_headers(ctx.gathered, ctx.packet.numel(), [(r, n) for r in range(W)], ctx.packet, dtype,
@@ -65,3 +94,9 @@ def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str
 
     return one_round(tensor, ctx, slots, probe, communicate, decode, "scheme 'gather': the all-gather of the packets",
                      check=check, receipt=receipt)
+
+
+GATHER = Scheme(
+    name="gather", summary="any codec: all-gather the fixed-size packets, every rank decodes all W in rank order",
+    run=gather, context=GatherContext, steps=gather_steps, packet_bytes=_packet, kernels=_gather_kernels,
+    collectives=("all_gather",))

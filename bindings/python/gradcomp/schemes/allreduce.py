@@ -9,8 +9,63 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..planner import dtype_bytes
+from ..codec import Codec, aligned_empty
+from ..planner.bytes import dense_bytes, dtype_bytes, payload_bytes, ring_allreduce_bytes
+from .base import Scheme
 from .context import NULL_PROBE, SchemeContext, chain, completed, one_round, prefer_mismatch
+
+
+class SumContext(SchemeContext):
+    """The ``sum`` scheme's buffers for tensors of ``numel`` elements of ``dtype`` on ``device``:
+    ``packet`` (uint8, 16-byte aligned, ``codec.packet_bytes(numel, dtype)`` bytes) and
+    ``dec_codec`` (a Codec of the same spec with its own workspace: decodes run in future
+    callbacks, possibly on another thread than the encodes). ``rank`` is not used."""
+
+    def __init__(self, codec: Codec, numel: int, dtype, device, group, world_size: int, *,
+                 rank: Optional[int] = None, divisor: Optional[int] = None):
+        pbytes = codec.packet_bytes(numel, dtype)
+        super().__init__(codec, group, world_size, packet=aligned_empty(torch.empty(0, device=device), pbytes),
+                         dec_codec=Codec(codec.spec), divisor=divisor)
+
+
+def dense_context(codec: Codec, numel: int, dtype, device, group, world_size: int, *,
+                  rank: Optional[int] = None, divisor: Optional[int] = None) -> SchemeContext:
+    """The ``dense`` scheme's context: only the group, the world size and the divisor."""
+    return SchemeContext(codec, group, world_size, divisor=divisor)
+
+
+def dense_steps(codec, numel: int, dtype, world_size: int) -> list:
+    """dense: one ``allreduce`` of the bucket, ``2 (W-1)/W`` of its bytes (none for W = 1)."""
+    W = int(world_size)
+    if W < 2:
+        return []
+    d = dense_bytes(numel, dtype)
+    return [("flat", "allreduce", d, W, ring_allreduce_bytes(d, W))]
+
+
+def sum_steps(codec, numel: int, dtype, world_size: int) -> list:
+    """sum: one ``allreduce`` of the codec's payload (:func:`gradcomp.planner.payload_bytes`)."""
+    W = int(world_size)
+    if W < 2:
+        return []
+    p = payload_bytes(codec, numel, dtype)
+    return [("flat", "allreduce", p, W, ring_allreduce_bytes(p, W))]
+
+
+def _dense_packet(codec, numel: int, dtype, world_size: int) -> int:
+    return dense_bytes(numel, dtype)  # dense sends the bucket itself
+
+
+def _packet(codec, numel: int, dtype, world_size: int) -> int:
+    return int(codec.packet_bytes(numel, dtype))
+
+
+def _no_kernels(codec, numel, dtype, world_size, throughput, error_feedback):
+    return 0.0, 0.0
+
+
+def _sum_kernels(codec, numel, dtype, world_size, tp, ef):
+    return tp.encode_s(codec, numel, dtype, ef), tp.decode_s(codec, numel, dtype)
 
 
 def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
@@ -91,3 +146,14 @@ def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, t
 
     return one_round(tensor, ctx, slots, probe, communicate, decode, "scheme 'sum': the allreduce of the payload",
                      check=check)
+
+
+DENSE = Scheme(
+    name="dense", summary="the bucket itself, divided by W, through one SUM allreduce (PyTorch's allreduce_hook)",
+    run=dense, context=dense_context, steps=dense_steps, packet_bytes=_dense_packet, kernels=_no_kernels,
+    collectives=("allreduce",), slots=())
+
+SUM = Scheme(
+    name="sum", summary="linear codecs: one SUM allreduce of the packet's payload (encode divides by W)",
+    run=sum, context=SumContext, steps=sum_steps, packet_bytes=_packet, kernels=_sum_kernels,
+    collectives=("allreduce",), codecs="linear")

@@ -16,14 +16,17 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _C, planner
-from ..codec import Codec, aligned_empty
+from .. import _C
+from ..codec import Codec
 from ..errors import CollectiveError, RankMismatchError
-from .groups import engine_of, hierarchical_groups_for
+from ..planner import schemes as planner_schemes
 
 
 class SchemeContext:
-    """Codec, group and per-layout buffers for reducing tensors of one (numel, dtype, device).
+    """What every scheme's context has; each scheme's own context class adds its buffers
+    (:class:`gradcomp.schemes.allreduce.SumContext`, :class:`gradcomp.schemes.allgather.
+    GatherContext`, :class:`gradcomp.schemes.two_phase.TwoPhaseContext`,
+    :class:`gradcomp.schemes.hierarchical.HierarchicalContext`). ``dense`` uses this class as is.
 
     Attributes:
         codec: the :class:`gradcomp.Codec` that encodes (its workspace is the caller thread's).
@@ -33,45 +36,8 @@ class SchemeContext:
             packets is the average: W by default; the inner context of ``hierarchical`` (a chunk
             over the N ranks of one local rank) divides by the full world size instead, since
             its inputs are node sums.
-        packet: uint8, 16-byte aligned, on the layout's device: ``codec.packet_bytes(numel,
-            dtype)`` bytes (sum, gather); for two_phase the W all-to-all slots of P1 bytes, chunk
-            j's packet at ``[j * P1, j * P1 + packet_bytes(count_j, dtype))``, the rest of each
-            slot zero (zeroed once here; encodes write only their packet); None for dense.
-        gathered: uint8, W packets back to back, rank r at ``[r * P, (r + 1) * P)`` (gather);
-            for two_phase the W all-gather slots of P2 bytes (rank r's re-encoded chunk r).
-        acc: float32: the gather scheme's accumulator (numel elements); two_phase's sum of this
-            rank's chunk (``chunk_size`` elements; the chunk's count are used).
-        dec_codec: a second Codec of the same spec with its own workspace, because decodes run in
-            future callbacks, possibly on another thread than the encodes (sum, gather, two_phase).
-        rank: this rank in ``group`` (two_phase: the chunk it sums), else None.
-        chunks: two_phase: ``[(start, count)]`` of the W chunks (:func:`gradcomp.planner.chunk`).
-        slot_bytes: two_phase: ``(P1, P2)`` (:func:`gradcomp.planner.two_phase_slots`).
-        received: two_phase: uint8, W * P1: slot j holds rank j's packet of chunk ``rank``.
-        server_packet: two_phase: uint8, P2 bytes, zeroed once: this rank's re-encoded chunk at
-            its start, zero after it (and all zero when its chunk is empty).
-
-    Attributes of a ``hierarchical`` context (L ranks per node, N = W / L nodes, c = ceil(n / L);
-    :mod:`gradcomp.schemes.hierarchical`, groups from :mod:`gradcomp.schemes.groups`):
-        local_world_size: L; nodes: N; node: rank // L; local_rank: rank % L (the chunk it owns).
-        rank: this rank in ``group``; chunks: the L intra-node chunks ``[(start, count)]``
-            (:func:`gradcomp.planner.chunk` (n, L, i)); chunk_size: c.
-        intra_group / cross_group: the node's group (None when L = 1) and the local rank's group
-            over the nodes (None when N = 1).
-        engine: ``"gloo"`` (the intra reduce-scatter is an allreduce of ``acc``) or ``"nccl"``
-            (``reduce_scatter_tensor`` of ``acc`` into ``node_sum``).
-        acc: float32, the bucket's float32 copy: n elements (gloo, L = 1) or L * c (nccl; zeroed
-            once, the padding stays zero).
-        node_sum: float32, c elements (nccl): this rank's chunk of the node sum; None on gloo
-            (the chunk is a view of ``acc``).
-        part / gathered: the bucket dtype, c + 1 and L * (c + 1) elements (zeroed once): this
-            rank's averaged chunk at the start of ``part`` (zero after it) and its status element
-            ``part[c]`` (0, or 1 when its inner scheme failed), and the all-gathered parts.
-        inner: the scheme across nodes (dense, sum, gather, two_phase; ``"dense"`` when N = 1);
-            inner_ctx: its context for this rank's chunk (count elements, float32) over
-            ``cross_group``, divisor W (None when the chunk is empty or N = 1).
-        server_chunk: inner two_phase: ``(start, count)`` in the bucket of this rank's piece of
-            its chunk (the chunk's start + :func:`gradcomp.planner.chunk` (count, N, node)),
-            which its server residual covers; else None.
+        packet, gathered, acc, dec_codec: the buffers the scheme's context sets (None here).
+        rank: this rank in ``group`` where the scheme needs it, else None.
     """
 
     def __init__(self, codec: Codec, group: Any, world_size: int, packet: Optional[torch.Tensor] = None,
@@ -86,123 +52,26 @@ class SchemeContext:
         self.acc = acc
         self.dec_codec = dec_codec
         self.rank: Optional[int] = None
-        self.chunks: list = []
-        self.slot_bytes: Tuple[int, int] = (0, 0)
-        self.received: Optional[torch.Tensor] = None
-        self.server_packet: Optional[torch.Tensor] = None
-        # hierarchical (see the class docstring)
-        self.local_world_size = 0
-        self.nodes = 0
-        self.node: Optional[int] = None
-        self.local_rank: Optional[int] = None
-        self.chunk_size = 0
-        self.intra_group: Any = None
-        self.cross_group: Any = None
-        self.engine = ""
-        self.node_sum: Optional[torch.Tensor] = None
-        self.part: Optional[torch.Tensor] = None
-        self.inner = ""
-        self.inner_ctx: Optional["SchemeContext"] = None
-        self.server_chunk: Optional[Tuple[int, int]] = None
 
     @classmethod
     def for_layout(cls, scheme: str, codec: Codec, numel: int, dtype: torch.dtype, device: torch.device,
                    group: Any, world_size: int, rank: Optional[int] = None, *, divisor: Optional[int] = None,
-                   local_world_size: int = 0, inner: str = "auto", min_compress_numel: int = 1024,
-                   engine: Optional[str] = None) -> "SchemeContext":
-        """Allocate what ``scheme`` needs for tensors of ``numel`` elements of ``dtype`` on
-        ``device``: nothing for dense; the packet and the decode codec for sum; also the gathered
-        packets (W * packet bytes) and the float32 accumulator (numel) for gather; for two_phase
-        the W * P1 send and receive slots, the P2 server packet, the W * P2 gathered slots and a
-        float32 accumulator of one chunk (``rank``: this rank in ``group``, default
-        ``dist.get_rank(group)``); for hierarchical the groups of ``local_world_size`` (L) ranks
-        per node (:func:`gradcomp.schemes.groups.hierarchical_groups_for`: created on the first
-        call for a (group, L), by every rank of the group), the float32 and bucket-dtype buffers
-        and the inner context of ``inner`` (``"auto"``: :func:`gradcomp.planner.
-        hierarchical_inner` with ``min_compress_numel``) for this rank's chunk (see the class
-        attributes). ``divisor``: what encodes divide by (default W). ``engine``: hierarchical's
-        intra-node reduction, ``"gloo"`` (allreduce) or ``"nccl"`` (``reduce_scatter_tensor``,
-        which gloo also runs in recent PyTorch); default :func:`gradcomp.schemes.groups.engine_of`.
+                   **options) -> "SchemeContext":
+        """The context of ``scheme`` (a name of the scheme table) for tensors of ``numel``
+        elements of ``dtype`` on ``device`` over ``group`` of ``world_size`` ranks: the scheme's
+        ``context(codec, numel, dtype, device, group, world_size, rank=, divisor=, **options)``
+        (``rank``: this rank in ``group``, default ``dist.get_rank(group)`` where needed;
+        ``divisor``: what encodes divide by, default W). ``options`` are layout options; those
+        the scheme does not take (:attr:`gradcomp.schemes.base.Scheme.option_names`) are
+        dropped (hierarchical: ``local_world_size``, ``inner``, ``min_compress_numel``,
+        ``engine``).
 
         Raises:
-            ValueError: an unknown scheme, inner scheme or engine; hierarchical with L < 1 or L not
-                dividing W.
+            ValueError: an unknown scheme; what the scheme's context raises.
         """
-        if scheme == "dense":
-            return cls(codec, group, world_size, divisor=divisor)
-        if scheme == "two_phase":
-            return cls._two_phase(codec, numel, dtype, device, group, world_size, rank, divisor)
-        if scheme == "hierarchical":
-            return cls._hierarchical(codec, numel, dtype, device, group, world_size, divisor, local_world_size,
-                                     inner, min_compress_numel, engine)
-        if scheme not in ("sum", "gather"):
-            raise ValueError(f"SchemeContext: scheme={scheme!r}; accepted: {', '.join(planner.ALL_SCHEMES)}")
-        pbytes = codec.packet_bytes(numel, dtype)
-        packet = aligned_empty(torch.empty(0, device=device), pbytes)
-        ctx = cls(codec, group, world_size, packet=packet, dec_codec=Codec(codec.spec), divisor=divisor)
-        if scheme == "gather":
-            ctx.gathered = aligned_empty(packet, pbytes * ctx.world_size)
-            ctx.acc = torch.empty(numel, dtype=torch.float32, device=device)
-        return ctx
-
-    @classmethod
-    def _two_phase(cls, codec, numel, dtype, device, group, world_size, rank, divisor=None) -> "SchemeContext":
-        W = int(world_size)
-        like = torch.empty(0, device=device)
-        p1, p2 = planner.two_phase_slots(codec, numel, dtype, W)
-        ctx = cls(codec, group, W, packet=aligned_empty(like, W * p1), gathered=aligned_empty(like, W * p2),
-                  acc=torch.empty(planner.chunk_size(numel, W), dtype=torch.float32, device=device),
-                  dec_codec=Codec(codec.spec), divisor=divisor)
-        ctx.packet.zero_()
-        ctx.rank = int(dist.get_rank(group) if rank is None else rank)
-        ctx.chunks = [planner.chunk(numel, W, j) for j in range(W)]
-        ctx.slot_bytes = (p1, p2)
-        ctx.received = aligned_empty(like, W * p1)
-        ctx.server_packet = aligned_empty(like, p2)
-        ctx.server_packet.zero_()
-        return ctx
-
-    @classmethod
-    def _hierarchical(cls, codec, numel, dtype, device, group, world_size, divisor, local_world_size, inner,
-                      min_compress_numel, engine) -> "SchemeContext":
-        W, n = int(world_size), int(numel)
-        N, L = planner.hierarchical_groups(W, local_world_size)
-        if inner in ("auto", "hierarchical"):
-            inner = planner.hierarchical_inner(codec, n, dtype, W, L, "auto", min_compress_numel)
-        if inner not in planner.SCHEMES:
-            raise ValueError(f"SchemeContext: hierarchical inner={inner!r}; accepted: auto, "
-                             f"{', '.join(planner.SCHEMES)}")
-        if engine is not None and engine not in ("gloo", "nccl"):
-            raise ValueError(f"SchemeContext: engine={engine!r}; accepted: gloo, nccl (None: from the backend)")
-        hg = hierarchical_groups_for(group, L)
-        if hg.world_size != W:
-            raise ValueError(f"SchemeContext: world_size={W}, but the group has {hg.world_size} ranks")
-        ctx = cls(codec, group, W, divisor=divisor)
-        ctx.local_world_size, ctx.nodes, ctx.node, ctx.local_rank = L, N, hg.node, hg.local_rank
-        ctx.rank = hg.rank
-        ctx.intra_group, ctx.cross_group = hg.intra, hg.cross
-        ctx.engine = engine_of(group, device) if engine is None else engine
-        ctx.inner = "dense" if N == 1 else inner  # across one node nothing is sent: exact
-        c = planner.chunk_size(n, L)
-        ctx.chunk_size = c
-        ctx.chunks = [planner.chunk(n, L, i) for i in range(L)]
-        start, count = ctx.chunks[ctx.local_rank]
-        nccl = ctx.engine == "nccl" and L > 1
-        ctx.acc = torch.zeros(L * c if nccl else n, dtype=torch.float32, device=device)
-        ctx.node_sum = torch.empty(c, dtype=torch.float32, device=device) if nccl else None
-        if L > 1:
-            ctx.part = torch.zeros(c + 1, dtype=dtype, device=device)  # + the status element
-            ctx.gathered = torch.zeros(L * (c + 1), dtype=dtype, device=device)
-        if count and N > 1:
-            if ctx.inner == "dense":
-                ctx.inner_ctx = cls(codec, hg.cross, N, divisor=ctx.divisor)
-            else:
-                ctx.inner_ctx = cls.for_layout(ctx.inner, codec, count, torch.float32, device, hg.cross, N,
-                                               rank=hg.node, divisor=ctx.divisor)
-        if ctx.inner == "two_phase" and count:
-            a, m = planner.chunk(count, N, hg.node)
-            ctx.server_chunk = (start + a, m)
-        return ctx
+        desc = planner_schemes.get(scheme)
+        return desc.context(codec, numel, dtype, device, group, world_size, rank=rank, divisor=divisor,
+                            **desc.options(**options))
 
 
 class NullProbe:

@@ -52,14 +52,149 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .allgather import gather
-from .allreduce import dense
-from .allreduce import sum as sum_scheme
+from ..codec import Codec
 from ..errors import CollectiveError
+from ..planner import schemes as table
+from ..planner.bytes import (all_gather_bytes, chunk, chunk_size, dense_bytes, hierarchical_groups,
+                             ring_allreduce_bytes, scheme_steps)
+from ..planner.choice import hierarchical_inner
+from .base import Scheme
 from .context import NULL_PROBE, SchemeContext, chain, collective_failed, completed, prefer_mismatch
-from .two_phase import two_phase
+from .groups import engine_of, hierarchical_groups_for
 
-_INNER = {"dense": dense, "sum": sum_scheme, "gather": gather, "two_phase": two_phase}
+
+class HierarchicalContext(SchemeContext):
+    """The ``hierarchical`` scheme's buffers for tensors of ``numel`` elements of ``dtype`` on
+    ``device`` over W ranks in N = W / L nodes of L = ``local_world_size`` consecutive ranks (c =
+    ceil(numel / L); the groups come from :func:`gradcomp.schemes.groups.hierarchical_groups_for`,
+    created on the first call for a (group, L), by every rank of the group):
+
+    - ``local_world_size``: L; ``nodes``: N; ``node``: rank // L; ``local_rank``: rank % L (the
+      chunk it owns); ``rank``: this rank in ``group``;
+    - ``chunks``: the L intra-node chunks ``[(start, count)]`` (:func:`gradcomp.planner.chunk`
+      (n, L, i)); ``chunk_size``: c;
+    - ``intra_group`` / ``cross_group``: the node's group (None when L = 1) and the local rank's
+      group over the nodes (None when N = 1);
+    - ``engine``: ``"gloo"`` (the intra reduce-scatter is an allreduce of ``acc``) or ``"nccl"``
+      (``reduce_scatter_tensor`` of ``acc`` into ``node_sum``);
+    - ``acc``: float32, the bucket's float32 copy: n elements (gloo, L = 1) or L c (nccl; zeroed
+      once, the padding stays zero); ``node_sum``: float32, c elements (nccl), else None;
+    - ``part`` / ``gathered``: the bucket dtype, c + 1 and L (c + 1) elements (zeroed once): this
+      rank's averaged chunk at the start of ``part`` and its status element ``part[c]`` (0, or 1
+      when its inner scheme failed), and the all-gathered parts;
+    - ``inner``: the scheme across nodes (a flat scheme of the table; ``"dense"`` when N = 1);
+      ``inner_ctx``: its context for this rank's chunk (count elements, float32) over
+      ``cross_group``, divisor W (None when the chunk is empty or N = 1);
+    - ``server_chunk``: an inner scheme with a server residual (two_phase): ``(start, count)`` in
+      the bucket of this rank's piece of its chunk (the chunk's start + the inner scheme's
+      ``server`` range), which its server residual covers; else None.
+
+    Options: ``local_world_size`` (L), ``inner`` (``"auto"``: :func:`gradcomp.planner.
+    hierarchical_inner` with ``min_compress_numel``), ``engine`` (``"gloo"`` / ``"nccl"``; None:
+    :func:`gradcomp.schemes.groups.engine_of`).
+
+    Raises:
+        ValueError: an unknown inner scheme or engine; L < 1 or L not dividing W; a group whose
+            size is not W.
+    """
+
+    def __init__(self, codec: Codec, numel: int, dtype, device, group, world_size: int, *,
+                 rank: Optional[int] = None, divisor: Optional[int] = None, local_world_size: int = 0,
+                 inner: str = "auto", min_compress_numel: int = 1024, engine: Optional[str] = None):
+        W, n = int(world_size), int(numel)
+        N, L = hierarchical_groups(W, local_world_size)
+        flat = table.names(flat=True)
+        if inner in ("auto", "hierarchical"):
+            inner = hierarchical_inner(codec, n, dtype, W, L, "auto", min_compress_numel)
+        if inner not in flat:
+            raise ValueError(f"SchemeContext: hierarchical inner={inner!r}; accepted: auto, {', '.join(flat)}")
+        if engine is not None and engine not in ("gloo", "nccl"):
+            raise ValueError(f"SchemeContext: engine={engine!r}; accepted: gloo, nccl (None: from the backend)")
+        hg = hierarchical_groups_for(group, L)
+        if hg.world_size != W:
+            raise ValueError(f"SchemeContext: world_size={W}, but the group has {hg.world_size} ranks")
+        super().__init__(codec, group, W, divisor=divisor)
+        self.local_world_size, self.nodes, self.node, self.local_rank = L, N, hg.node, hg.local_rank
+        self.rank = hg.rank
+        self.intra_group, self.cross_group = hg.intra, hg.cross
+        self.engine = engine_of(group, device) if engine is None else engine
+        self.inner = "dense" if N == 1 else inner  # across one node nothing is sent: exact
+        c = chunk_size(n, L)
+        self.chunk_size = c
+        self.chunks = [chunk(n, L, i) for i in range(L)]
+        start, count = self.chunks[self.local_rank]
+        nccl = self.engine == "nccl" and L > 1
+        self.acc = torch.zeros(L * c if nccl else n, dtype=torch.float32, device=device)
+        self.node_sum = torch.empty(c, dtype=torch.float32, device=device) if nccl else None
+        self.part = self.gathered = None
+        if L > 1:
+            self.part = torch.zeros(c + 1, dtype=dtype, device=device)  # + the status element
+            self.gathered = torch.zeros(L * (c + 1), dtype=dtype, device=device)
+        self.inner_ctx = None
+        if count and N > 1:
+            self.inner_ctx = table.get(self.inner).context(codec, count, torch.float32, device, hg.cross, N,
+                                                           rank=hg.node, divisor=self.divisor)
+        self.server_chunk = None
+        if count and self.inner_ctx is not None:
+            piece = table.get(self.inner).server(self.inner_ctx)
+            if piece is not None:
+                self.server_chunk = (start + piece[0], piece[1])
+
+
+def hierarchical_steps(codec, numel: int, dtype, world_size: int, *, local_world_size: int, inner: str,
+                       engine: str = "nccl") -> list:
+    """The collectives of one bucket under ``hierarchical``, as ``[(level, collective, nbytes,
+    ranks, sent_bytes)]`` (level ``"intra"`` or ``"inter"``):
+
+      1. inside the node (L ranks) a float32 copy of the bucket (the node sum accumulates in
+         float32 whatever ``dtype``) is reduce-scattered: each local rank keeps the node sum of
+         its chunk (c = ceil(n / L) elements). NCCL reduce-scatters the copy padded to L c
+         elements ((L-1)/L of 4 L c bytes); on gloo it is an allreduce of the copy (2 (L-1)/L of
+         4 n bytes), as gloo runs it;
+      2. across nodes (N = W / L ranks of one local rank) the chunk (float32, c elements) goes
+         through ``inner`` (the steps of that flat scheme);
+      3. inside the node the averaged chunks are all-gathered in ``dtype``, each followed by its
+         rank's status element ((L-1) (c + 1) elements sent by each rank).
+
+    Raises:
+        ValueError: ``inner`` not a flat scheme; L < 1 or not dividing W.
+    """
+    flat = table.names(flat=True)
+    if inner not in flat:
+        raise ValueError(f"planner: hierarchical needs inner= one of {', '.join(flat)}; got {inner!r}")
+    nodes, L = hierarchical_groups(world_size, local_world_size)
+    c = chunk_size(numel, L)
+    steps = []
+    if L > 1:
+        if engine == "gloo":
+            d = dense_bytes(numel, "float32")
+            steps.append(("intra", "allreduce", d, L, ring_allreduce_bytes(d, L)))
+        else:
+            d = dense_bytes(L * c, "float32")
+            steps.append(("intra", "reduce_scatter", d, L, (L - 1) / L * d))
+    if nodes > 1:
+        for _, kind, nbytes, p, sent in scheme_steps(inner, codec, c, "float32", nodes):
+            steps.append(("inter", kind, nbytes, p, sent))
+    if L > 1:
+        part = dense_bytes(c + 1, dtype)  # the chunk and its rank's status element
+        steps.append(("intra", "all_gather", part, L, float(all_gather_bytes(part, L))))
+    return steps
+
+
+def _hierarchical_packet(codec, numel: int, dtype, world_size: int, *, local_world_size: int, inner: str,
+                         engine: str = "nccl") -> int:
+    """This rank's inter-node packet: the inner scheme's of one float32 chunk over N ranks."""
+    nodes, L = hierarchical_groups(world_size, local_world_size)
+    c = chunk_size(numel, L)
+    return int(table.get(inner).packet_bytes(codec, c, "float32", nodes)) if c else 0
+
+
+def _hierarchical_kernels(codec, numel, dtype, world_size, tp, ef):
+    raise ValueError("planner: hierarchical's kernel times are its inner scheme's (CostModel.predict)")
+
+
+def _server_of_chunk(ctx) -> Optional[tuple]:
+    return ctx.server_chunk
 
 
 def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
@@ -137,20 +272,21 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
         if not count:
             return None
         r = None if residual is None else residual[start: start + count]
-        if ctx.inner == "dense":
+        inner = table.get(ctx.inner)
+        if "residual" not in inner.slots:
             if r is not None:  # dense sends every value: the residual goes with it
                 s.add_(r)
                 r.zero_()
             if N == 1:
                 s.div_(W)
                 return None
-            return dense(s, ctx.inner_ctx, probe=probe)
+            return inner.run(s, ctx.inner_ctx, probe=probe)
         inner_slots = {}
         if r is not None:
             inner_slots["residual"] = r
-        if server is not None and ctx.inner == "two_phase":
+        if server is not None and "server" in inner.slots:
             inner_slots["server"] = server
-        return _INNER[ctx.inner](s, ctx.inner_ctx, inner_slots or None, probe=probe)
+        return inner.run(s, ctx.inner_ctx, inner_slots or None, probe=probe)
 
     if L == 1:  # no node to gather in: the inner scheme's result is the average
         fut = across()
@@ -201,3 +337,13 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
 
     return chain(work.get_future(), done, "scheme 'hierarchical': the all-gather inside the node",
                  device=tensor.device)
+
+
+HIERARCHICAL = Scheme(
+    name="hierarchical",
+    summary="nodes of L ranks: a float32 reduce-scatter inside the node, a flat scheme across nodes for this "
+            "rank's chunk, an all-gather inside the node (only the inter-node hop is compressed)",
+    run=hierarchical, context=HierarchicalContext, steps=hierarchical_steps, packet_bytes=_hierarchical_packet,
+    kernels=_hierarchical_kernels, collectives=("reduce_scatter", "allreduce", "all_gather", "all_to_all"),
+    slots=("residual", "server"), server=_server_of_chunk, flat=False,
+    option_names=("local_world_size", "inner", "min_compress_numel", "engine"))

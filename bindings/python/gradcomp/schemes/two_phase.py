@@ -41,8 +41,73 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ..codec import Codec, _dtype_name, aligned_empty
+from ..planner.bytes import all_gather_bytes, chunk, chunk_size, two_phase_slots
+from .base import Scheme
 from .check import check_headers
 from .context import NULL_PROBE, SchemeContext, chain, collective_failed, completed, prefer_mismatch
+
+
+class TwoPhaseContext(SchemeContext):
+    """The ``two_phase`` scheme's buffers for tensors of ``numel`` elements of ``dtype`` on
+    ``device`` over W ranks (``rank``: this rank in ``group``, default ``dist.get_rank(group)``):
+
+    - ``chunks``: ``[(start, count)]`` of the W chunks (:func:`gradcomp.planner.chunk`);
+      ``slot_bytes``: ``(P1, P2)`` (:func:`gradcomp.planner.two_phase_slots`);
+    - ``packet``: uint8, the W all-to-all send slots of P1 bytes (chunk j's packet at ``[j P1,
+      j P1 + packet_bytes(count_j, dtype))``, the rest of each slot zero: zeroed once here,
+      encodes write only their packet); ``received``: uint8, W P1 (slot j: rank j's packet of
+      chunk ``rank``);
+    - ``acc``: float32, ``chunk_size`` elements: the sum of this rank's chunk (its count used);
+    - ``server_packet``: uint8, P2 bytes, zeroed once (this rank's re-encoded chunk at its start);
+      ``gathered``: uint8, the W all-gather slots of P2 bytes;
+    - ``dec_codec``: a Codec of the same spec with its own workspace (decodes run in callbacks).
+    """
+
+    def __init__(self, codec: Codec, numel: int, dtype, device, group, world_size: int, *,
+                 rank: Optional[int] = None, divisor: Optional[int] = None):
+        W = int(world_size)
+        like = torch.empty(0, device=device)
+        p1, p2 = two_phase_slots(codec, numel, dtype, W)
+        super().__init__(codec, group, W, packet=aligned_empty(like, W * p1), gathered=aligned_empty(like, W * p2),
+                         acc=torch.empty(chunk_size(numel, W), dtype=torch.float32, device=device),
+                         dec_codec=Codec(codec.spec), divisor=divisor)
+        self.packet.zero_()
+        self.rank = int(dist.get_rank(group) if rank is None else rank)
+        self.chunks = [chunk(numel, W, j) for j in range(W)]
+        self.slot_bytes = (p1, p2)
+        self.received = aligned_empty(like, W * p1)
+        self.server_packet = aligned_empty(like, p2)
+        self.server_packet.zero_()
+
+
+def two_phase_steps(codec, numel: int, dtype, world_size: int) -> list:
+    """two_phase: one ``all_to_all`` of P1-byte slots ((W-1) P1 sent: a rank keeps its own
+    chunk's slot), then one ``all_gather`` of a P2-byte slot ((W-1) P2)."""
+    W = int(world_size)
+    if W < 2:
+        return []
+    p1, p2 = two_phase_slots(codec, numel, dtype, W)
+    return [("flat", "all_to_all", p1, W, float(all_gather_bytes(p1, W))),
+            ("flat", "all_gather", p2, W, float(all_gather_bytes(p2, W)))]
+
+
+def _two_phase_packet(codec, numel: int, dtype, world_size: int) -> int:
+    p1, _ = two_phase_slots(codec, numel, dtype, world_size)
+    return int(world_size) * p1  # the W slots the bucket is encoded into
+
+
+def _two_phase_kernels(codec, numel, dtype, world_size, tp, ef):
+    """The chunk encodes (the bucket), one float32 chunk re-encode, W chunk decodes and the
+    bucket's decodes."""
+    W = int(world_size)
+    c = chunk_size(numel, W)
+    return (tp.encode_s(codec, numel, dtype, ef) + tp.encode_s(codec, c, "float32", ef),
+            W * tp.decode_s(codec, c, "float32") + tp.decode_s(codec, numel, dtype))
+
+
+def _two_phase_server(ctx) -> Optional[tuple]:
+    return ctx.chunks[ctx.rank]
 
 
 def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,
@@ -79,14 +144,34 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
             named as that rank's failure) instead of some ranks waiting forever.
     """
     W = ctx.world_size
-    n = tensor.numel()
-    if W == 1 or n == 0:
+    if W == 1 or tensor.numel() == 0:
         return completed(tensor)
     probe = probe or NULL_PROBE
+    failed = reduce_scatter_phase(tensor, ctx, slots, probe, check)
+    return all_gather_phase(tensor, ctx, slots, probe, failed)
+
+
+def reduce_scatter_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, probe=None,
+                         check=None) -> Optional[BaseException]:
+    """Steps 1-4 of the module docstring, a compressed reduce-scatter: encode the W chunks of
+    ``tensor`` (with the worker residual ``slots["residual"]``, divisor ``ctx.divisor``), one
+    ``all_to_all_single`` in the calling thread, and decode the W packets of this rank's chunk
+    in rank order into ``ctx.acc[:count]`` (float32, the sum over the ranks of chunk ``ctx.rank``
+    divided by the divisor; nothing for an empty chunk).
+
+    Returns:
+        None, or the error of this rank's decode (a mismatched or corrupt packet): the caller
+        still takes part in its next collective, so that no rank waits forever.
+
+    Raises:
+        gradcomp.InvalidArgumentError: from encode. gradcomp.CollectiveError: the all-to-all
+        failed. gradcomp.RankMismatchError: ``check`` found ranks that disagree (on every rank).
+    """
+    probe = probe or NULL_PROBE
     flat = tensor.view(-1)
+    W = ctx.world_size
     residual = slots.get("residual") if slots else None
-    server = slots.get("server") if slots else None
-    p1, p2 = ctx.slot_bytes
+    p1, _ = ctx.slot_bytes
     codec, dec = ctx.codec, ctx.dec_codec
     dtype = tensor.dtype
 
@@ -108,28 +193,54 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
     if check is not None:
         check.verify()  # every rank sees the same descriptors: all raise here, or none
 
-    failed: Optional[BaseException] = None
     _, mine = ctx.chunks[ctx.rank]
-    if mine:
+    if not mine:
+        return None
+    try:
+        t2 = probe.clock()
+        q1 = codec.packet_bytes(mine, dtype)
+        check_headers(ctx.received, p1, [(j, mine) for j in range(W)], ctx.packet[ctx.rank * p1:],
+                      _dtype_name(dtype), "scheme 'two_phase': the all-to-all of the chunk packets")
+        acc = ctx.acc[:mine]
+        acc.zero_()
+        ws = dec.workspace(ctx.received, mine, "float32")
+        for j in range(W):
+            dec.decode(ctx.received[j * p1: j * p1 + q1], out=acc, accumulate=True, workspace=ws)
+        probe.decoded(ws)
+        probe.tock("decode_s", t2)
+    except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather
+        return e
+    return None
+
+
+def all_gather_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, probe=None,
+                     failed: Optional[BaseException] = None) -> torch.futures.Future:
+    """Steps 5-6 of the module docstring, a compressed all-gather: re-encode this rank's chunk
+    sum ``ctx.acc[:count]`` with the server residual ``slots["server"]`` (divisor 1) into
+    ``ctx.server_packet`` (zeroed instead when ``failed`` or the encode fails), all-gather the W
+    slots asynchronously, and decode slot j into chunk j of ``tensor``.
+
+    Returns:
+        A Future holding ``tensor``; it raises ``failed`` (or the re-encode's error) after the
+        all-gather, a :class:`gradcomp.CollectiveError` when the all-gather fails, and
+        :class:`gradcomp.RankMismatchError` when a gathered header differs.
+    """
+    probe = probe or NULL_PROBE
+    flat = tensor.view(-1)
+    server = slots.get("server") if slots else None
+    p1, p2 = ctx.slot_bytes
+    codec, dec = ctx.codec, ctx.dec_codec
+    _, mine = ctx.chunks[ctx.rank]
+    if mine and failed is None:
         try:
-            t2 = probe.clock()
-            q1 = codec.packet_bytes(mine, dtype)
-            check_headers(ctx.received, p1, [(j, mine) for j in range(W)], ctx.packet[ctx.rank * p1:],
-                          str(dtype).replace("torch.", ""), "scheme 'two_phase': the all-to-all of the chunk packets")
-            acc = ctx.acc[:mine]
-            acc.zero_()
-            ws = dec.workspace(ctx.received, mine, "float32")
-            for j in range(W):
-                dec.decode(ctx.received[j * p1: j * p1 + q1], out=acc, accumulate=True, workspace=ws)
-            probe.decoded(ws)
-            probe.tock("decode_s", t2)
             t3 = probe.clock()
-            codec.encode(acc, residual=server, out=ctx.server_packet[: codec.packet_bytes(mine, "float32")],
-                         divisor=1)
+            codec.encode(ctx.acc[:mine], residual=server,
+                         out=ctx.server_packet[: codec.packet_bytes(mine, "float32")], divisor=1)
             probe.tock("encode_s", t3)
         except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather
             failed = e
-            ctx.server_packet.zero_()
+    if mine and failed is not None:
+        ctx.server_packet.zero_()
     t4 = probe.clock()
     work = dist.all_gather_into_tensor(ctx.gathered, ctx.server_packet, group=ctx.group, async_op=True)
     ref = ctx.packet[ctx.rank * p1:] if mine else next(ctx.packet[j * p1:] for j, (_, m) in enumerate(ctx.chunks) if m)
@@ -152,3 +263,12 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
 
     return chain(work.get_future(), done, "scheme 'two_phase': the all-gather of the summed chunks",
                  device=tensor.device)
+
+
+TWO_PHASE = Scheme(
+    name="two_phase",
+    summary="any codec: a compressed reduce-scatter (all-to-all of chunk packets), then an all-gather of the "
+            "re-encoded chunk sums, error feedback on both sides (DeepSpeed 1-bit Adam, ZeRO++ qgZ)",
+    run=two_phase, context=TwoPhaseContext, steps=two_phase_steps, packet_bytes=_two_phase_packet,
+    kernels=_two_phase_kernels, collectives=("all_to_all", "all_gather"), slots=("residual", "server"),
+    server=_two_phase_server, candidate=lambda codec: not codec.properties["linear"])

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from .. import planner
 from ..codec import Codec
-from ..schemes import SCHEMES, SchemeContext, engine_of, hierarchical_groups_for
+from ..planner import schemes as scheme_table
+from ..schemes import SchemeContext, engine_of, hierarchical_groups_for
 from ..schemes.check import PeerCheck
 from ..schemes.context import chain, completed
 from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
@@ -45,11 +46,25 @@ PICKLE_VERSION = 2
 """Format of a pickled Compressor; 2 added local_world_size, inner_scheme and cost_model (a
 version-1 pickle loads with their defaults)."""
 
-SCHEME_CHOICES = ("auto", "sum", "gather", "two_phase", "hierarchical", "dense")
+def scheme_choices() -> Tuple[str, ...]:
+    """The ``scheme`` values: ``"auto"`` and every scheme of the table (:mod:`gradcomp.schemes.table`)."""
+    return ("auto",) + scheme_table.names()
 
-INNER_CHOICES = ("auto", "dense", "sum", "gather", "two_phase")
-"""The ``inner_scheme`` values: what ``hierarchical`` runs across nodes (``"auto"``:
-:func:`gradcomp.planner.hierarchical_inner`)."""
+
+def inner_choices() -> Tuple[str, ...]:
+    """The ``inner_scheme`` values: what ``hierarchical`` runs across nodes, ``"auto"``
+    (:func:`gradcomp.planner.hierarchical_inner`) or a flat scheme of the table."""
+    return ("auto",) + scheme_table.names(flat=True)
+
+
+def __getattr__(name: str):
+    """``SCHEME_CHOICES`` / ``INNER_CHOICES``: :func:`scheme_choices` / :func:`inner_choices`,
+    read from the scheme table when asked for."""
+    if name == "SCHEME_CHOICES":
+        return scheme_choices()
+    if name == "INNER_CHOICES":
+        return inner_choices()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 ParamMap = Sequence[Tuple[str, int, int]]
 
@@ -63,8 +78,8 @@ def check_options(*, scheme: str, nonfinite: str, ints: Sequence[Tuple[str, Any]
         ValueError: unknown scheme, nonfinite or on_corrupt mode; a negative or non-integer int.
         TypeError: error_feedback not a bool; the group not None or a ProcessGroup.
     """
-    if scheme not in SCHEME_CHOICES:
-        raise ValueError(f"scheme={scheme!r}; accepted: {', '.join(SCHEME_CHOICES)}")
+    if scheme not in scheme_choices():
+        raise ValueError(f"scheme={scheme!r}; accepted: {', '.join(scheme_choices())}")
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite={nonfinite!r}; accepted: {', '.join(NONFINITE_MODES)}")
     for name, v in ints:
@@ -271,15 +286,14 @@ class Compressor:
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback, group=group,
                       on_corrupt=on_corrupt,
                       ints=(("min_compress_numel", min_compress_numel), ("log_every", log_every)))
-        if inner_scheme not in INNER_CHOICES:
-            raise ValueError(f"inner_scheme={inner_scheme!r}; accepted: {', '.join(INNER_CHOICES)}")
+        if inner_scheme not in inner_choices():
+            raise ValueError(f"inner_scheme={inner_scheme!r}; accepted: {', '.join(inner_choices())}")
         self.codec = codec if isinstance(codec, Codec) else Codec(str(codec))
         self.linear = bool(self.codec.properties["linear"])
-        if scheme == "sum" and not self.linear:
-            raise ValueError(f"scheme='sum' needs a linear codec; {self.codec.spec} is not linear (use 'gather')")
-        if inner_scheme == "sum" and not self.linear:
-            raise ValueError(f"inner_scheme='sum' needs a linear codec; {self.codec.spec} is not linear "
-                             f"(use 'gather' or 'two_phase')")
+        for arg, name in (("scheme", scheme), ("inner_scheme", inner_scheme)):
+            if name != "auto" and not scheme_table.get(name).accepts(self.codec):
+                raise ValueError(f"{arg}={name!r} needs a linear codec; {self.codec.spec} is not linear "
+                                 f"(use 'gather' or 'two_phase')")
         world = dist.get_world_size(group)
         self.local_world_size = resolve_local_world_size(local_world_size, world, scheme)
         self._local_world_size_arg = local_world_size
@@ -565,7 +579,7 @@ class Compressor:
             return err
 
         try:
-            fut = SCHEMES["dense"](tensor, self._dense_ctx, probe=probe, check=check)
+            fut = scheme_table.get("dense").run(tensor, self._dense_ctx, probe=probe, check=check)
         except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
             raise on_error(e) from e
 
@@ -587,19 +601,17 @@ class Compressor:
     def _compressed(self, att: Attempt, tensor, key, route: _Route, joined: bool, check: Optional[PeerCheck]):
         rec = att.rec
         lay = route.layout
+        desc = scheme_table.get(route.scheme)
         if route.ctx is None:
             route.ctx = SchemeContext.for_layout(route.scheme, self.codec, lay.numel, lay.dtype, lay.device,
                                                  self.group, self.world_size, rank=self.rank,
                                                  local_world_size=self.local_world_size, inner=route.inner)
-        # the server residual (ResidualStore docstring): two_phase, this rank's chunk; hierarchical
-        # with inner two_phase, this rank's piece of its node chunk; both folded with factor W
-        server = None
-        if route.scheme == "two_phase":
-            start, count = planner.chunk(lay.numel, self.world_size, self.rank)
-            server = (start, count, self.world_size)
-        elif route.scheme == "hierarchical" and route.ctx.server_chunk is not None:
-            server = route.ctx.server_chunk + (self.world_size,)
-        if self.error_feedback:
+        # the server residual (ResidualStore docstring): the scheme's server range (two_phase,
+        # this rank's chunk; hierarchical with inner two_phase, this rank's piece of its node
+        # chunk), folded with factor W
+        piece = desc.server(route.ctx)
+        server = None if piece is None else tuple(piece) + (self.world_size,)
+        if self.error_feedback and "residual" in desc.slots:
             self.store.activate(lay, server=server)
         b = self._bucket(key, tensor, route.scheme, route)
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
@@ -608,7 +620,10 @@ class Compressor:
         # server residual
         # a call of a step that already failed elsewhere runs its collectives (the ranks stay in
         # step) without error feedback, so it changes no residual
-        names = None if not joined else (("server",) if server is not None else ())
+        if joined:
+            names = ("server",) if server is not None else ()
+        else:  # None: every slot of the layout; a scheme without a residual slot takes none
+            names = None if "residual" in desc.slots else ()
         slots = None
         if self.error_feedback and names != () and not att.failed:
             with self._journal.lock:
@@ -629,7 +644,7 @@ class Compressor:
             return err
 
         try:
-            fut = SCHEMES[scheme](tensor, route.ctx, slots, probe=probe, check=check)
+            fut = desc.run(tensor, route.ctx, slots, probe=probe, check=check)
         except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
             raise on_error(e) from e
         self._stats.account(rec, b)

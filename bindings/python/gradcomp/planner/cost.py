@@ -1,0 +1,350 @@
+"""The cost model of :mod:`gradcomp.planner`: link rates (:func:`parse_rate`), link levels
+(:class:`Link`, :data:`LINK_LEVELS`), alpha-beta collective times (:func:`collective_time`), codec
+kernel times (:class:`Throughput`, from a ``gradcomp-bench`` table read by
+:mod:`gradcomp.planner.table` or from a memory bandwidth) and the predicted time of one bucket under
+each scheme with the fastest (:class:`CostModel`).
+"""
+
+from typing import Any, Optional, Tuple
+
+from ..codec import _dtype_name
+from . import schemes as _schemes
+from .bytes import chunk_size, decode_traffic_bytes, encode_traffic_bytes, hierarchical_steps, scheme_steps
+from .table import throughput as _table_throughput
+
+
+# ==============================================================================================
+# The cost model: alpha-beta link times, kernel throughput, predicted bucket and step times
+# ==============================================================================================
+#
+# Each collective over p ranks on a link of per-rank bandwidth beta (bytes/s, one direction) and
+# per-message latency alpha (s) takes, ring / pairwise algorithms as NCCL and gloo run them
+# (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH",
+# IJHPCA 2005, section 2; Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters
+# of workstations", JPDC 2009):
+#   allreduce of B bytes       2 (p-1) alpha + 2 (p-1)/p B / beta
+#   reduce-scatter of B bytes    (p-1) alpha +   (p-1)/p B / beta
+#   all-gather of P per rank     (p-1) alpha +   (p-1)   P / beta
+#   all-to-all of P per slot     (p-1) alpha +   (p-1)   P / beta
+# A ``shared`` link is one medium every rank of the group sends through at once (a loopback
+# interface, a bus): each of the p senders gets beta / p.
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "all_to_all")
+
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12,
+               "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12}
+
+
+def parse_rate(text: Any) -> float:
+    """A link rate in bytes/s from ``text``: a number of bits per second with a unit, as tc
+    writes them (``"100mbit"``, ``"1gbit"``, ``"10gbit"``; also ``"400gbps"``, ``"25Gb/s"``;
+    SI prefixes: 1 gbit = 1e9 bits/s = 1.25e8 bytes/s), ``"unlimited"`` / ``"inf"`` (infinite), or
+    a bare number (Gb/s). Returns ``bits / 8``.
+
+    Raises:
+        ValueError: anything else (the accepted forms are in the message).
+    """
+    t = str(text).strip().lower().replace(" ", "")
+    if t in ("unlimited", "inf", "infinite"):
+        return float("inf")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz/")
+    unit = t[len(num):] or "gbit"
+    try:
+        v = float(num)
+    except ValueError:
+        v = float("nan")
+    if unit not in _RATE_UNITS or not v > 0:
+        raise ValueError(f"planner: link rate {text!r}; accepted: a positive number with a unit "
+                         f"(e.g. 100mbit, 1gbit, 400gbps, 25Gb/s; bare numbers are Gb/s) or 'unlimited'")
+    return v * _RATE_UNITS[unit] / 8.0
+
+
+class Link:
+    """One link level: ``bytes_per_s`` (beta, one direction; may be inf), ``latency_s`` (alpha,
+    per message), ``name`` (for tables), and whose bandwidth beta is:
+
+      - default: each rank's own (a NIC per GPU, NVLink);
+      - ``shared``: one medium every rank of the group sends through at once, so each of p
+        senders gets beta / p (all ranks on one host's rate-limited loopback);
+      - ``per_node`` (an inter-node link only): the node's one NIC, shared by the flows leaving
+        the node (:meth:`CostModel.predict`: a flat ring crosses it once per direction; the L
+        cross-node groups of ``hierarchical`` all cross it at once).
+
+    Raises:
+        ValueError: beta <= 0, alpha < 0, or both shared and per_node.
+    """
+
+    __slots__ = ("bytes_per_s", "latency_s", "shared", "per_node", "name")
+
+    def __init__(self, bytes_per_s: float, latency_s: float = 0.0, shared: bool = False, name: str = "",
+                 per_node: bool = False):
+        if not float(bytes_per_s) > 0:
+            raise ValueError(f"planner: Link bytes_per_s={bytes_per_s}; accepted: > 0 (inf allowed)")
+        if not float(latency_s) >= 0:
+            raise ValueError(f"planner: Link latency_s={latency_s}; accepted: >= 0")
+        if shared and per_node:
+            raise ValueError("planner: a Link is shared (one medium for the group) or per_node, not both")
+        self.bytes_per_s, self.latency_s = float(bytes_per_s), float(latency_s)
+        self.shared, self.per_node, self.name = bool(shared), bool(per_node), str(name)
+
+    @classmethod
+    def parse(cls, rate: Any, latency_s: float = 0.0, shared: bool = False, name: str = "",
+              per_node: bool = False) -> "Link":
+        """A Link from a rate string (:func:`parse_rate`)."""
+        return cls(parse_rate(rate), latency_s, shared, name or str(rate), per_node)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "bytes_per_s": self.bytes_per_s, "bits_per_s": 8 * self.bytes_per_s,
+                "latency_s": self.latency_s, "shared": self.shared, "per_node": self.per_node}
+
+    def __repr__(self) -> str:
+        kind = ", shared" if self.shared else ", per node" if self.per_node else ""
+        return f"Link({self.name or 'link'}: {8 * self.bytes_per_s / 1e9:g} Gb/s, alpha {self.latency_s:g} s{kind})"
+
+
+LINK_LEVELS = {
+    # per GPU, one direction: NVLink 4 (H100/H200 SXM, 900 GB/s bidirectional), PCIe 5 x16,
+    # a 400 Gb/s NIC per GPU (rail-optimized clusters); latencies as NCCL's tuning tables assume.
+    "nvlink": Link(450e9, 2e-6, name="nvlink"),
+    "pcie": Link(50e9, 5e-6, name="pcie"),
+    "network": Link(50e9, 10e-6, name="network"),
+}
+"""Default link levels (bytes/s per rank, latency s); ``--link-gbps LEVEL=GBPS`` overrides."""
+
+
+def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: float = 1.0) -> float:
+    """Seconds of one collective (the alpha-beta formulas above) of ``nbytes`` (the buffer of an
+    allreduce / reduce-scatter; one rank's part of an all-gather; one slot of an all-to-all) over
+    ``ranks`` ranks on ``link``; ``load`` scales the volume term (how many ranks' volumes cross a
+    ``per_node`` link at once, :meth:`CostModel.predict`). 0.0 for ranks < 2.
+
+    Raises:
+        ValueError: an unknown collective.
+    """
+    p = int(ranks)
+    if kind not in COLLECTIVES:
+        raise ValueError(f"planner: collective {kind!r}; accepted: {', '.join(COLLECTIVES)}")
+    if p < 2:
+        return 0.0
+    beta = link.bytes_per_s / (p if link.shared else 1)
+    msgs, vol = {"allreduce": (2 * (p - 1), 2.0 * (p - 1) / p * nbytes),
+                 "reduce_scatter": (p - 1, (p - 1) / p * nbytes),
+                 "all_gather": (p - 1, (p - 1) * nbytes),
+                 "all_to_all": (p - 1, (p - 1) * nbytes)}[kind]
+    return msgs * link.latency_s + (load * vol / beta if vol else 0.0)
+
+
+# Achievable memory bandwidth (bytes/s) of named devices, for kernel times without a bench table:
+# H200 4.3 TB/s copy measured on the lent machine (4.8 spec), H100 SXM 3.35 TB/s spec at the
+# same 90%, A100 80 GB 2.04 TB/s at 90%, and this project's 2-core CPU machine (copy ~10 GB/s).
+DEVICE_BYTES_PER_S = {"H200": 4.3e12, "H100": 3.0e12, "A100": 1.8e12, "cpu": 10e9}
+
+# Fraction of that bandwidth a codec's encode / decode reaches on its compulsory bytes, without a
+# measured table: block casts and quantizers 85% (torchao's MXFP8 cast: 90% on B200, pytorch/ao PR 4931),
+# top-k 25% (the best published radix select, CUB on H100, is ~4 reads).
+_EFFICIENCY = {"topk": 0.25, "randomk": 0.5, "dgc": 0.25}
+_DEFAULT_EFFICIENCY = 0.85
+
+
+class Throughput:
+    """Encode / decode time of a codec on one device: from a ``gradcomp-bench`` JSON table
+    (``table``: measured seconds; the largest size of the codec and dtype, scaled linearly in
+    elements) or, without one (or for a codec / dtype the table lacks), from a memory bandwidth
+    (the table's measured ``copy_bytes_per_s``, else ``device``'s entry of
+    :data:`DEVICE_BYTES_PER_S`): compulsory bytes (:func:`gradcomp.planner.encode_traffic_bytes`,
+    :func:`gradcomp.planner.decode_traffic_bytes`) over the bandwidth times the codec family's
+    efficiency.
+
+    Raises:
+        ValueError: an unknown device name.
+    """
+
+    def __init__(self, table: Optional[dict] = None, device: str = "H200"):
+        if table is None and device not in DEVICE_BYTES_PER_S:
+            raise ValueError(f"planner: device {device!r}; accepted: {', '.join(DEVICE_BYTES_PER_S)} "
+                             f"(or a gradcomp-bench table)")
+        self.table, self.device = table, device
+        self.name = (table.get("device_name") or table.get("device", "table")) if table else device
+
+    def _rates(self, codec, dtype):
+        if self.table is None:
+            return None
+        try:
+            return _table_throughput(self.table, codec.spec, _dtype_name(dtype))
+        except KeyError:
+            return None
+
+    def encode_s(self, codec, numel: int, dtype: Any, error_feedback: bool = True) -> float:
+        """Seconds to encode ``numel`` elements of ``dtype`` (0 for 0 elements)."""
+        n = int(numel)
+        if n == 0:
+            return 0.0
+        r = self._rates(codec, dtype)
+        if r is not None:
+            return n / r[0]
+        b = encode_traffic_bytes(n, dtype, codec.packet_bytes(n, dtype), error_feedback)
+        return b / (self._bandwidth() * _EFFICIENCY.get(codec.spec.split(':')[0], _DEFAULT_EFFICIENCY))
+
+    def decode_s(self, codec, numel: int, dtype: Any) -> float:
+        """Seconds to decode one packet of ``numel`` elements into ``dtype``."""
+        n = int(numel)
+        if n == 0:
+            return 0.0
+        r = self._rates(codec, dtype)
+        if r is not None:
+            return n / r[1]
+        b = decode_traffic_bytes(n, dtype, codec.packet_bytes(n, dtype))
+        return b / (self._bandwidth() * _DEFAULT_EFFICIENCY)
+
+    def _bandwidth(self) -> float:
+        if self.table is not None and self.table.get("copy_bytes_per_s"):
+            return float(self.table["copy_bytes_per_s"])
+        return DEVICE_BYTES_PER_S[self.device]
+
+
+def _kernel_time(scheme: str, codec, numel: int, dtype: Any, W: int, tp: Throughput, ef: bool) -> Tuple[float, float]:
+    """(encode_s, decode_s) a rank spends in one flat scheme's kernels: the scheme's ``kernels``
+    from the scheme table (sum one encode and one decode of the bucket; gather one encode and W
+    decodes; two_phase the chunk encodes (the bucket), one float32 chunk re-encode, W chunk
+    decodes and the bucket's decodes; dense none); none for W < 2 or an empty bucket."""
+    if W < 2 or numel == 0:
+        return 0.0, 0.0
+    return _schemes.get(scheme).kernels(codec, numel, dtype, W, tp, ef)
+
+
+class CostModel:
+    """Predicted time of reducing one bucket under each scheme, and the fastest: the alpha-beta
+    times of the scheme's collectives (:func:`collective_time`) on its link levels plus the
+    encode / decode kernel times (:class:`Throughput`).
+
+    Args:
+        intra: the link inside a node (NVLink, PCIe, a loopback). A flat scheme runs on it when
+            the whole group is one node.
+        inter: the link between nodes (per rank: a rail-optimized NIC per GPU); flat schemes over
+            more than one node run on it. None: one node, whatever the world size.
+        local_world_size: L, ranks per node (0: the whole group is one node).
+        throughput: kernel times (default ``Throughput(device="H200")``).
+        engine: ``"nccl"`` or ``"gloo"`` (gloo has no reduce-scatter: hierarchical's intra step is
+            an allreduce).
+        error_feedback: whether encodes read and write a residual.
+
+    All inputs are configuration every rank shares, so every rank predicts and chooses alike.
+
+    Raises:
+        ValueError: engine not nccl/gloo; local_world_size < 0.
+    """
+
+    def __init__(self, intra: Link, inter: Optional[Link] = None, local_world_size: int = 0,
+                 throughput: Optional[Throughput] = None, engine: str = "nccl", error_feedback: bool = True):
+        if engine not in ("nccl", "gloo"):
+            raise ValueError(f"planner: engine={engine!r}; accepted: nccl, gloo")
+        if int(local_world_size) < 0:
+            raise ValueError(f"planner: local_world_size={local_world_size}; accepted: >= 0 (0: one node)")
+        self.intra, self.inter = intra, inter
+        self.local_world_size = int(local_world_size)
+        self.throughput = throughput or Throughput(device="H200")
+        self.engine, self.error_feedback = engine, bool(error_feedback)
+
+    @classmethod
+    def loopback(cls, rate: Any, latency_s: float = 50e-6, throughput: Optional[Throughput] = None,
+                 error_feedback: bool = True) -> "CostModel":
+        """All ranks on one host over a (rate-limited) loopback: one shared link of ``rate``
+        (:func:`parse_rate`: ``"100mbit"``, ``"unlimited"``), gloo, CPU kernel times."""
+        return cls(Link.parse(rate, latency_s, shared=True, name=f"loopback {rate}"), None, 0,
+                   throughput or Throughput(device="cpu"), "gloo", error_feedback)
+
+    def nodes(self, world_size: int) -> int:
+        L = self.local_world_size
+        return int(world_size) // L if L and self.inter is not None and int(world_size) % L == 0 else 1
+
+    def _flat_link(self, world_size: int) -> Link:
+        """The link a flat ring runs on: ``intra`` on one node; across N nodes the inter link's
+        bandwidth (every rank's bytes cross the network) with the mean hop latency of the ring,
+        N network hops and W - N intra-node hops: (N alpha_inter + (W - N) alpha_intra) / W."""
+        W, N = int(world_size), self.nodes(world_size)
+        if N < 2:
+            return self.intra
+        lat = (N * self.inter.latency_s + (W - N) * self.intra.latency_s) / W
+        return Link(self.inter.bytes_per_s, lat, self.inter.shared, self.inter.name)
+
+    def predict(self, scheme: str, codec, numel: int, dtype: Any, world_size: int, inner: str = "") -> dict:
+        """Predicted times of one bucket under ``scheme`` (``inner``: hierarchical's scheme across
+        nodes). Returns ``{"scheme", "inner", "comm_s", "encode_s", "decode_s", "total_s",
+        "bytes": {"intra": sent bytes inside nodes, "inter": across nodes}}`` (seconds, bytes
+        one rank sends). A flat ring over several nodes counts all its bytes as ``inter``: its
+        time is paced by the hops that cross the network (in a rank-order ring only the node's
+        boundary rank sends across, at the ring's full volume).
+
+        Raises:
+            ValueError: hierarchical on a model of one node, or an unknown scheme.
+        """
+        W = int(world_size)
+        nodes = self.nodes(W)
+        if scheme == "hierarchical":
+            if nodes < 2:
+                raise ValueError("planner: hierarchical needs a cost model with local_world_size > 0, "
+                                 f"an inter link and more than one node (W={W}, L={self.local_world_size})")
+            L = self.local_world_size
+            steps = hierarchical_steps(codec, numel, dtype, W, L, inner, self.engine)
+            enc, dec = _kernel_time(inner, codec, chunk_size(numel, L), "float32", nodes, self.throughput,
+                                    self.error_feedback)
+            links = {"intra": self.intra, "inter": self.inter}
+        else:
+            steps = scheme_steps(scheme, codec, numel, dtype, W)
+            enc, dec = _kernel_time(scheme, codec, numel, dtype, W, self.throughput, self.error_feedback)
+            level = "inter" if nodes > 1 else "intra"
+            steps = [(level,) + tuple(s[1:]) for s in steps]
+            links = {level: self._flat_link(W)}
+        comm = sum(collective_time(kind, nb, p, links[lv], self._load(scheme, lv, kind, W))
+                   for lv, kind, nb, p, _ in steps)
+        by = {"intra": 0.0, "inter": 0.0}
+        for lv, _, _, _, sent in steps:
+            by[lv] += sent
+        return {"scheme": scheme, "inner": inner, "comm_s": comm, "encode_s": enc, "decode_s": dec,
+                "total_s": comm + enc + dec, "bytes": by}
+
+    def _load(self, scheme: str, level: str, kind: str, world_size: int) -> float:
+        """How many ranks' volumes cross a ``per_node`` inter link at once: hierarchical's L
+        cross-node groups all leave the node together (L); a flat ring leaves each node over one
+        hop per direction (1); a flat all-to-all sends the fraction (W - L) / (W - 1) of each of
+        the node's L ranks' slots off the node."""
+        if level != "inter" or not self.inter.per_node:
+            return 1.0
+        L, W = self.local_world_size, int(world_size)
+        if scheme == "hierarchical":
+            return float(L)
+        return L * (W - L) / (W - 1) if kind == "all_to_all" else 1.0
+
+    def candidates(self, codec, numel: int, dtype: Any, world_size: int) -> list:
+        """``[(scheme, inner)]`` worth predicting for a bucket: the flat candidates of the scheme
+        table for this codec (:func:`gradcomp.planner.schemes.candidates`: dense; sum for linear
+        codecs; gather; two_phase for the others), then, when the model has more than one node,
+        hierarchical over each of them as its inner scheme."""
+        flat = _schemes.candidates(codec)
+        out = [(s, "") for s in flat]
+        if self.nodes(world_size) > 1:
+            out += [(h, s) for h in _schemes.names(flat=False) for s in flat]
+        return out
+
+    def choose(self, codec, numel: int, dtype: Any, world_size: int, *, local_world_size: int = 0,
+               min_compress_numel: int = 0) -> dict:
+        """The fastest scheme for a bucket: ``{"scheme", "inner", "predictions": [predict(...)
+        for each candidate]}``. Dense unless a compressed scheme is predicted strictly faster
+        (compression that does not pay is not taken); ``local_world_size`` (the compressor's)
+        must match the model's for hierarchical to be a candidate."""
+        preds = []
+        for s, inner in self.candidates(codec, numel, dtype, world_size):
+            if s == "hierarchical" and local_world_size != self.local_world_size:
+                continue
+            preds.append(self.predict(s, codec, numel, dtype, world_size, inner))
+        best = preds[0]
+        for p in preds[1:]:
+            if p["total_s"] < best["total_s"]:
+                best = p
+        return {"scheme": best["scheme"], "inner": best["inner"], "predictions": preds}
+
+    def describe(self) -> dict:
+        return {"intra": self.intra.to_dict(), "inter": None if self.inter is None else self.inter.to_dict(),
+                "local_world_size": self.local_world_size, "engine": self.engine,
+                "throughput": self.throughput.name, "error_feedback": self.error_feedback}

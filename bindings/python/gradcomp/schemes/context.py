@@ -14,7 +14,6 @@ import weakref
 from typing import Any, Callable, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import _C
 from ..codec import Codec

@@ -85,13 +85,14 @@ from .choice import bytes_choice, choice_report, choose_scheme, hierarchical_inn
 from .step import ddp_buckets, parameter_list, plan_step  # noqa: F401
 from .figures import _NoneCodec, published_figures  # noqa: F401
 from . import schemes  # noqa: F401  (the scheme table; filled by gradcomp.schemes.table)
+from . import bytes as _bytes
 
 
 def __getattr__(name: str):
     """``SCHEMES`` / ``ALL_SCHEMES``: the flat / all scheme names of the scheme table
     (:func:`gradcomp.planner.schemes.names`), read when asked for."""
     if name in ("SCHEMES", "ALL_SCHEMES"):
-        return getattr(bytes, name)
+        return getattr(_bytes, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [

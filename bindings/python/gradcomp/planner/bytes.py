@@ -134,8 +134,7 @@ def bucket_bytes(scheme: str, codec, numel: int, dtype: Any, world_size: int, *,
             a valid ``local_world_size`` / ``inner``.
     """
     desc = _schemes.get(scheme)
-    opts = {"local_world_size": local_world_size, "inner": inner, "engine": engine}
-    opts = {k: v for k, v in opts.items() if k in desc.option_names}
+    opts = desc.options(local_world_size=local_world_size, inner=inner, engine=engine)
     steps = desc.steps(codec, numel, dtype, world_size, **opts)
     dense = dense_bytes(numel, dtype)
     out = {"dense_bytes": dense, "packet_bytes": int(desc.packet_bytes(codec, numel, dtype, world_size, **opts))}

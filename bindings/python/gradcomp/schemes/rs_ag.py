@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..codec import Codec
 from ..planner.bytes import all_gather_bytes, chunk_size, dense_bytes
+from .allreduce import _dense_packet, _no_kernels
 from .base import Scheme
 from .context import NULL_PROBE, SchemeContext, chain, collective_failed, completed, prefer_mismatch
 
@@ -86,6 +87,5 @@ def rs_ag_steps(codec, numel: int, dtype, world_size: int) -> list:
 RS_AG = Scheme(
     name="rs_ag", summary="uncompressed: a reduce-scatter, then an all-gather (the example scheme; auto never takes it)",
     run=rs_ag, context=RsAgContext, steps=rs_ag_steps,
-    packet_bytes=lambda codec, numel, dtype, world_size: dense_bytes(numel, dtype),
-    kernels=lambda codec, numel, dtype, world_size, tp, ef: (0.0, 0.0),
+    packet_bytes=_dense_packet, kernels=_no_kernels,
     collectives=("reduce_scatter", "all_gather"), slots=(), candidate=lambda codec: False)

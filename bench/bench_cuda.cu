@@ -129,10 +129,10 @@ void BM_CastEncode(benchmark::State& st) {
   BCK(cudaStreamCreate(&s));
   Tensor xt{x.p, DType::float32, n, kGpu}, rt{r.p, DType::float32, n, kGpu}, pt{p.p, DType::uint8, pb, kGpu},
       wt{w.p, DType::uint8, wb, kGpu};
-  c->encode(xt, &rt, pt, wt, gradcomp::Stream{s});
+  c->encode(xt, &rt, pt, wt, 1.0f, {}, gradcomp::Stream{s});
   double total = 0;
   for (auto _ : st) {
-    const float ms = time_ms(s, [&] { c->encode(xt, &rt, pt, wt, gradcomp::Stream{s}); });
+    const float ms = time_ms(s, [&] { c->encode(xt, &rt, pt, wt, 1.0f, {}, gradcomp::Stream{s}); });
     st.SetIterationTime(ms * 1e-3);
     total += ms;
   }
@@ -188,7 +188,7 @@ void BM_TopKEncode(benchmark::State& st) {
   double total = 0;
   for (auto _ : st) {
     BCK(cudaMemsetAsync(r.p, 0, size_t(n) * 4, s)); // the same selection every iteration
-    const float ms = time_ms(s, [&] { c->encode(xt, &rt, pt, wt, gradcomp::Stream{s}); });
+    const float ms = time_ms(s, [&] { c->encode(xt, &rt, pt, wt, 1.0f, {}, gradcomp::Stream{s}); });
     st.SetIterationTime(ms * 1e-3);
     total += ms;
   }
@@ -222,10 +222,10 @@ void BM_QuantEncode(benchmark::State& st) {
   BCK(cudaStreamCreate(&s));
   Tensor xt{x.p, t, n, kGpu}, rt{r.p, DType::float32, n, kGpu}, pt{p.p, DType::uint8, pb, kGpu},
       wt{w.p, DType::uint8, wb, kGpu};
-  c->encode(xt, res ? &rt : nullptr, pt, wt, gradcomp::Stream{s});
+  c->encode(xt, res ? &rt : nullptr, pt, wt, 1.0f, {}, gradcomp::Stream{s});
   double total = 0;
   for (auto _ : st) {
-    const float ms = time_ms(s, [&] { c->encode(xt, res ? &rt : nullptr, pt, wt, gradcomp::Stream{s}); });
+    const float ms = time_ms(s, [&] { c->encode(xt, res ? &rt : nullptr, pt, wt, 1.0f, {}, gradcomp::Stream{s}); });
     st.SetIterationTime(ms * 1e-3);
     total += ms;
   }

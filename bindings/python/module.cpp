@@ -26,7 +26,8 @@ struct PyCodec {
   explicit PyCodec(const std::string& spec) : c(Codec::create(spec)) {}
 
   void encode(py::handle x, py::handle residual, py::handle packet, py::handle workspace, float divisor,
-              intptr_t stream, const std::string& x_dtype_override, uint64_t seed, uint32_t step, uint32_t bucket) {
+              intptr_t stream, const std::string& x_dtype_override, uint64_t seed, uint32_t step, uint32_t bucket,
+              uint32_t chunk) {
     DLOwner ox, or_, op, ow;
     const DType xo = x_dtype_override.empty() ? DType::none : parse_dtype(x_dtype_override);
     Tensor tx = from_dlpack(x, ox, "encode: x", stream, xo);
@@ -37,8 +38,8 @@ struct PyCodec {
     Tensor tw = from_dlpack(workspace, ow, "encode: workspace", stream);
     // byte buffers may come in any dtype; the codec checks byte sizes
     py::gil_scoped_release nogil;
-    c->encode(tx, has_r ? &tr : nullptr, tp, tw, Stream{reinterpret_cast<void*>(stream)}, divisor,
-              EncodeContext{seed, step, bucket});
+    c->encode(tx, has_r ? &tr : nullptr, tp, tw, divisor, EncodeContext{seed, step, bucket, chunk},
+              Stream{reinterpret_cast<void*>(stream)});
   }
 
   void decode(py::handle packet, py::handle out, py::handle workspace, bool accumulate, float alpha, intptr_t stream,
@@ -296,7 +297,7 @@ PYBIND11_MODULE(_C, m) {
       .def("main_param", [](const PyCodec& s, int64_t numel) { return s.c->main_param(numel); }, py::arg("numel"))
       .def("encode", &PyCodec::encode, py::arg("x"), py::arg("residual"), py::arg("packet"), py::arg("workspace"),
            py::arg("divisor") = 1.0f, py::arg("stream") = 0, py::arg("x_dtype") = "", py::arg("seed") = 0,
-           py::arg("step") = 0, py::arg("bucket") = 0)
+           py::arg("step") = 0, py::arg("bucket") = 0, py::arg("chunk") = 0)
       .def("decode", &PyCodec::decode, py::arg("packet"), py::arg("out"), py::arg("workspace"),
            py::arg("accumulate") = false, py::arg("alpha") = 1.0f, py::arg("stream") = 0, py::arg("out_dtype") = "");
 }

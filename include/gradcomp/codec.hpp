@@ -44,20 +44,24 @@ struct CodecProperties {
   //! x + r_old == D + r_new holds exactly at divisor 1 (D the decoded packet): the decoded values
   //! are roundings of x' (casts, top-k), so the error-feedback subtraction is exact (Sterbenz).
   bool exact_residual = false;
-  //! The codec draws random numbers: its packets carry the EncodeContext in a 16-byte key section.
+  //! The codec draws random numbers: its packets carry the EncodeContext in a 32-byte key section.
   bool keyed = false;
   //! The packet holds a subset of the elements (indices and values: top-k): schemes that re-encode
   //! a sum (two_phase) do not fit it; the `auto` scheme sends it with `gather`.
   bool sparse = false;
 };
 
-//! The key of codecs that draw random numbers (Philox keyed by
-//! values every rank shares). It travels in a 16-byte packet section (u64 seed, u32 step, u32
-//! bucket, little-endian), so decode needs no side channel. Codecs without randomness ignore it.
+//! The key of codecs that draw random numbers (Philox keyed by values every rank shares: the
+//! same key gives the same packet on every rank and backend). It travels in a 32-byte packet
+//! section (u64 seed, u32 step, u32 bucket, u32 chunk, little-endian, then 12 reserved zero bytes
+//! that decode checks), so decode needs no side channel. `chunk` tells apart the pieces of one
+//! bucket that are encoded separately (two_phase's chunks); 0 for a whole bucket. Codecs without
+//! randomness ignore it. docs/contracts.md section 3.
 struct EncodeContext {
   uint64_t seed = 0;
   uint32_t step = 0;
   uint32_t bucket = 0;
+  uint32_t chunk = 0;
   friend bool operator==(const EncodeContext&, const EncodeContext&) = default;
 };
 
@@ -86,7 +90,7 @@ struct PacketLayout {
   PacketHeader header{};               //!< expected header, flags 0
   MainParamKind main_kind = MainParamKind::exact;
   int32_t nsections = 0;
-  int32_t key_section = -1;            //!< index of the 16-byte EncodeContext section, -1: none
+  int32_t key_section = -1;            //!< index of the 32-byte EncodeContext section, -1: none
   int32_t payload_section = -1;        //!< linear codecs: the section an allreduce may sum
   PacketSection sections[kMaxSections];
   int64_t bytes = 0;                   //!< total packet bytes, a multiple of 16
@@ -140,18 +144,23 @@ class Codec {
   //! >= packet_bytes, 16-byte aligned). With `residual` (float32, numel elements, same device) the
   //! same pass computes x' = x + residual and overwrites residual with r_new (see file comment).
   //! `workspace` holds >= workspace_bytes(...) bytes on x's device. x is not modified. `ctx` keys
-  //! codecs that draw random numbers (ignored by the others).
+  //! codecs that draw random numbers (ignored by the others; a keyed codec writes it into the
+  //! packet's key section, and the same x, residual, divisor and ctx give the same bytes).
   //! Throws InvalidArgument for mismatched sizes/dtypes/devices/alignment or arguments whose bytes
   //! overlap, Unsupported for a device the codec has no backend for in this build.
+  //! The stream goes last, as in decode: encode(x, residual, packet, workspace, divisor, ctx, stream).
   void encode(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
-              Stream stream = {}, float divisor = 1.0f, const EncodeContext& ctx = {}) const;
+              float divisor = 1.0f, const EncodeContext& ctx = {}, Stream stream = {}) const;
 
   //! out (=| +=) alpha * D(packet); out has numel elements (float32/float16/bfloat16); numel is
   //! taken from out. A packet whose magic, version, codec id, spec hash, numel, dtypes, main
-  //! parameter or flags do not match, or that carries an index out of range, out of order or
-  //! repeated, raises CorruptPacket on the CPU before anything is written; on CUDA kernels skip
+  //! parameter or flags do not match, whose key section (keyed codecs) has a non-zero reserved
+  //! byte, or that carries an index out of range, out of order or repeated, raises CorruptPacket on the CPU before anything is written; on CUDA kernels skip
   //! invalid entries and set the status word in `workspace`. A packet flagged non-finite sets
-  //! kStatusNonFinite (when a workspace is given) and writes NaN into out[0].
+  //! kStatusNonFinite (when a workspace is given; on CUDA one always is) on every backend. Top-k,
+  //! whose packet may have dropped the non-finite value, also writes NaN into out[0] (numel > 0,
+  //! assign and accumulate); the casts, the block quantizers and onebit write nothing more (out
+  //! holds what their packet decodes to: NaN / inf codes and NaN scales travel in the packet).
   void decode(const Tensor& packet, const Tensor& out, const Tensor& workspace, DecodeMode mode = DecodeMode::assign,
               float alpha = 1.0f, Stream stream = {}) const;
 
@@ -164,7 +173,7 @@ class Codec {
   // Backend entry points; arguments are already validated by encode()/decode() (sizes that depend
   // on the plan, such as the workspace, are checked by the implementation).
   virtual void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
-                           Stream stream, float divisor, const EncodeContext& ctx) const = 0;
+                           float divisor, const EncodeContext& ctx, Stream stream) const = 0;
   virtual void decode_impl(const Tensor& packet, const Tensor& out, const Tensor& workspace, DecodeMode mode,
                            float alpha, Stream stream) const = 0;
   //! Throws Unsupported when the codec has no backend for `device` in this build.

@@ -21,8 +21,11 @@ inline constexpr int64_t kPacketAlign = 16;
 inline constexpr uint8_t kFlagNonFinite = 1u;
 //! Flag bits a packet may carry; a header with any other bit set is corrupt.
 inline constexpr uint8_t kFlagsDefined = kFlagNonFinite;
-//! Bytes of the EncodeContext section of keyed codecs (u64 seed, u32 step, u32 bucket).
-inline constexpr int64_t kKeyBytes = 16;
+//! Bytes of the EncodeContext section of keyed codecs: u64 seed, u32 step, u32 bucket, u32 chunk
+//! (little-endian), then kKeyReservedBytes zero bytes (decode refuses a packet where they are not).
+inline constexpr int64_t kKeyBytes = 32;
+inline constexpr int64_t kKeyUsedBytes = 20;
+inline constexpr int64_t kKeyReservedBytes = kKeyBytes - kKeyUsedBytes;
 
 //! Status word bits, kept in the first 16 bytes of a workspace (u32 at offset 0).
 inline constexpr uint32_t kStatusNonFinite = 1u; //!< a decoded packet carried the non-finite flag

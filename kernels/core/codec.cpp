@@ -85,7 +85,7 @@ void check_disjoint(const Tensor& a, const char* an, const Tensor& b, const char
 } // namespace
 
 void Codec::encode(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
-                   Stream stream, float divisor, const EncodeContext& ctx) const {
+                   float divisor, const EncodeContext& ctx, Stream stream) const {
   const char* call = "encode";
   require_backend(x.device);
   check_tensor_basics(x, "x", call);
@@ -121,7 +121,7 @@ void Codec::encode(const Tensor& x, const Tensor* residual, const Tensor& packet
     check_disjoint(*residual, "residual", packet, "packet", call);
     check_disjoint(*residual, "residual", workspace, "workspace", call);
   }
-  encode_impl(x, residual, packet, workspace, stream, divisor, ctx);
+  encode_impl(x, residual, packet, workspace, divisor, ctx, stream);
 }
 
 void Codec::decode(const Tensor& packet, const Tensor& out, const Tensor& workspace, DecodeMode mode, float alpha,

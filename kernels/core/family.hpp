@@ -58,8 +58,8 @@ template <class Plan> class FamilyCodec : public Codec {
   virtual Backends<Plan> backends() const = 0;
   void require_backend(Device device) const final { (void)select(backends(), device, *this); }
 
-  void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& ws, Stream stream,
-                   float divisor, const EncodeContext& ctx) const final {
+  void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& ws, float divisor,
+                   const EncodeContext& ctx, Stream stream) const final {
     const Plan p = make_plan(x.numel, x.dtype, x.device);
     const Kernels<Plan>& k = select(backends(), x.device, *this);
     const int64_t need = std::max<int64_t>(kStatusBytes, k.workspace_bytes(p));
@@ -94,7 +94,9 @@ template <class Plan> class FamilyCodec : public Codec {
       PacketHeader h;
       std::memcpy(&h, packet.data, sizeof h);
       a.input = validate_header(h, e, *this);
-      k.decode(make_plan(out.numel, a.input, out.device), a);
+      const Plan p = make_plan(out.numel, a.input, out.device);
+      validate_key(a.packet, p.layout, *this);
+      k.decode(p, a);
     } else {
       a.expect = &e;
       k.decode(make_plan(out.numel, DType::float32, out.device), a);

@@ -121,6 +121,19 @@ DType validate_header(const PacketHeader& h, const HeaderExpect& e, const Codec&
   throw CorruptPacket(concat(call, ": packet header rejected (fault ", int(f), ")"));
 }
 
+void validate_key(const uint8_t* packet, const PacketLayout& l, const Codec& c) {
+  if (l.key_section < 0) return;
+  const int64_t off = l.sections[l.key_section].offset;
+  const uint8_t* k = packet + off;
+  if (key_reserved_zero(k)) return;
+  int64_t at = kKeyUsedBytes;
+  while (k[at] == 0) ++at;
+  throw CorruptPacket(concat("decode: packet key section (bytes ", off, "-", off + kKeyBytes - 1, ") has 0x", std::hex,
+                             int(k[at]), std::dec, " at reserved byte ", at, " (packet byte ", off + at,
+                             "); codec '", c.spec(), "' expects bytes ", kKeyUsedBytes, "-", kKeyBytes - 1,
+                             " of its key section to be zero"));
+}
+
 void finish_packet(uint8_t* packet, const PacketLayout& l, uint8_t flags, const EncodeContext& ctx) {
   PacketHeader h = l.header;
   h.flags = flags;

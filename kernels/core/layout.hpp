@@ -2,7 +2,7 @@
 // The declarative packet layout (docs/contracts.md section 3) and everything derived from it, written
 // once: building a layout, the header of a packet, the header check (the same function runs on
 // the host, which turns its verdict into a CorruptPacket message, and in the CUDA decode kernels,
-// which set the status word instead), the padding ranges that encoders zero, and the 16-byte key
+// which set the status word instead), the padding ranges that encoders zero, and the 32-byte key
 // section of codecs that draw random numbers.
 //
 // A layout is a plain struct (gradcomp::PacketLayout, include/gradcomp/codec.hpp) so that it can be
@@ -30,7 +30,7 @@ class LayoutBuilder {
   int section(const char* name, int64_t count, DType dtype);
   //! Append the section an allreduce may sum (linear codecs); returns its index.
   int payload(const char* name, int64_t count, DType dtype);
-  //! Append the 16-byte EncodeContext section; returns its index.
+  //! Append the 32-byte EncodeContext section (kKeyBytes); returns its index.
   int key();
   PacketLayout build() const;
 
@@ -126,18 +126,48 @@ template <class F> GRADCOMP_HD void for_each_padding(const PacketLayout& l, F&& 
 }
 
 // ---- the key section ------------------------------------------------------------------------------
-//! Write ctx into the 16-byte key section at `p` (little-endian u64 seed, u32 step, u32 bucket).
+//! Write ctx into the 32-byte key section at `p`: little-endian u64 seed (bytes 0-7), u32 step
+//! (8-11), u32 bucket (12-15), u32 chunk (16-19), then 12 zero bytes (20-31, reserved).
 GRADCOMP_HD void store_key(uint8_t* p, const EncodeContext& ctx) {
   for (int i = 0; i < 8; ++i) p[i] = uint8_t(ctx.seed >> (8 * i));
   for (int i = 0; i < 4; ++i) p[8 + i] = uint8_t(ctx.step >> (8 * i));
   for (int i = 0; i < 4; ++i) p[12 + i] = uint8_t(ctx.bucket >> (8 * i));
+  for (int i = 0; i < 4; ++i) p[16 + i] = uint8_t(ctx.chunk >> (8 * i));
+  for (int i = int(kKeyUsedBytes); i < int(kKeyBytes); ++i) p[i] = 0;
 }
 GRADCOMP_HD EncodeContext load_key(const uint8_t* p) {
   EncodeContext c{};
   for (int i = 0; i < 8; ++i) c.seed |= uint64_t(p[i]) << (8 * i);
   for (int i = 0; i < 4; ++i) c.step |= uint32_t(p[8 + i]) << (8 * i);
   for (int i = 0; i < 4; ++i) c.bucket |= uint32_t(p[12 + i]) << (8 * i);
+  for (int i = 0; i < 4; ++i) c.chunk |= uint32_t(p[16 + i]) << (8 * i);
   return c;
+}
+//! Whether the reserved bytes 20-31 of the key section at `p` are zero (decode refuses the packet
+//! otherwise: CorruptPacket on the CPU, kStatusCorrupt on CUDA).
+GRADCOMP_HD bool key_reserved_zero(const uint8_t* p) {
+  uint8_t any = 0;
+  for (int i = int(kKeyUsedBytes); i < int(kKeyBytes); ++i) any |= p[i];
+  return any == 0;
+}
+//! The byte offset of the key section in the layout for input dtype code `input` (0..2), or -1 when
+//! the codec has none (unrolled constant indices, see check_header).
+GRADCOMP_HD int64_t expect_key_offset(const HeaderExpect& e, int input) {
+  int64_t off = -1;
+  GRADCOMP_UNROLL
+  for (int i = 0; i < 3; ++i) {
+    const int ks = e.by_input[i].key_section;
+    GRADCOMP_UNROLL
+    for (int j = 0; j < kMaxSections; ++j)
+      if (i == input && j == ks) off = e.by_input[i].sections[j].offset;
+  }
+  return off;
+}
+//! The device-side check of a packet whose header passed check_header: the key section's reserved
+//! bytes (keyed codecs). True when the packet may be decoded.
+GRADCOMP_HD bool check_key_section(const uint8_t* packet, const HeaderExpect& e, int input) {
+  const int64_t off = expect_key_offset(e, input);
+  return off < 0 || key_reserved_zero(packet + off);
 }
 
 // ---- host side ----------------------------------------------------------------------------------------
@@ -155,6 +185,10 @@ template <class LayoutOf> HeaderExpect make_expect(int64_t capacity, LayoutOf&& 
 //! Host validation of a CPU packet: check_header, turned into a CorruptPacket naming the field, the
 //! packet's value and what the codec expects. Returns the header's input dtype.
 DType validate_header(const PacketHeader& h, const HeaderExpect& e, const Codec& c);
+//! Host validation of the key section of a CPU packet whose header passed validate_header (`l` the
+//! layout of its input dtype): CorruptPacket naming the first non-zero reserved byte. No-op for
+//! codecs without a key section.
+void validate_key(const uint8_t* packet, const PacketLayout& l, const Codec& c);
 
 //! CPU encoders: write the header (with `flags`), the key section (keyed codecs) and zero the padding.
 void finish_packet(uint8_t* packet, const PacketLayout& l, uint8_t flags, const EncodeContext& ctx);

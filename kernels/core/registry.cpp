@@ -11,8 +11,9 @@ const std::vector<RegistryEntry>& registry() {
       {"none", CodecId::none, {}, make_cast, {"none"}, "the input dtype as is (dense; PyTorch's allreduce_hook)"},
       {"fp16", CodecId::fp16, {}, make_cast, {"fp16"},
        "round-to-nearest-even cast to float16 (PyTorch's fp16_compress_hook)"},
-      {"bf16", CodecId::bf16, {}, make_cast, {"bf16"},
-       "round-to-nearest-even cast to bfloat16 (PyTorch's bf16_compress_hook)"},
+      {"bf16", CodecId::bf16, {"rounding"}, make_cast, {"bf16", "bf16:rounding=stochastic"},
+       "cast to bfloat16: round to nearest even (PyTorch's bf16_compress_hook) or, keyed, stochastic rounding "
+       "from Philox4x32-10 (Gupta et al., ICML 2015)"},
       {"topk", CodecId::topk, {"ratio", "k", "index", "value_dtype"}, make_topk,
        {"topk:ratio=0.01", "topk:ratio=1", "topk:k=0", "topk:k=3,index=u64,value_dtype=bfloat16",
         "topk:ratio=0.3,value_dtype=float16"},

@@ -112,4 +112,15 @@ std::string format_double(double v) {
   return std::string(buf, ptr);
 }
 
+CanonicalSpec& CanonicalSpec::add(std::string_view key, std::string_view value) {
+  text_ += any_ ? ',' : ':';
+  text_ += key;
+  text_ += '=';
+  text_ += value;
+  any_ = true;
+  return *this;
+}
+CanonicalSpec& CanonicalSpec::add(std::string_view key, int64_t value) { return add(key, std::to_string(value)); }
+CanonicalSpec& CanonicalSpec::add(std::string_view key, double value) { return add(key, format_double(value)); }
+
 } // namespace gradcomp::detail

@@ -37,4 +37,23 @@ int64_t parse_int(const ParsedSpec& s, std::string_view key, std::string_view va
 //! Shortest decimal string that parses back to exactly `v` (std::to_chars).
 std::string format_double(double v);
 
+//! The one builder of canonical specs (Codec::spec(), whose FNV-1a hash every packet header
+//! carries, so its bytes must never change): the codec name, then one key=value per add(), in the
+//! order of the calls, as "name:k1=v1,k2=v2" (just "name" without any). Each family adds its
+//! non-default keys in its fixed order (topk its ratio= or k= first, always); integers print in
+//! decimal, binary64 values in their shortest round-trip form (format_double), so that
+//! create(spec()) yields an equal codec.
+class CanonicalSpec {
+ public:
+  explicit CanonicalSpec(std::string_view name) : text_(name) {}
+  CanonicalSpec& add(std::string_view key, std::string_view value);
+  CanonicalSpec& add(std::string_view key, int64_t value);
+  CanonicalSpec& add(std::string_view key, double value);
+  const std::string& str() const noexcept { return text_; }
+
+ private:
+  std::string text_;
+  bool any_ = false;
+};
+
 } // namespace gradcomp::detail

@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+#include "../common/sround.hpp"
 #include "../core/codecs/cast.hpp"
 #include "isa.hpp"
 #include "parallel.hpp"
@@ -110,6 +111,43 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
   return flag;
 }
 
+// bf16:rounding=stochastic: one Philox4x32-10 call per group of 8 elements (kernels/common/sround.hpp),
+// the groups split statically over the threads, so the packet does not depend on the thread count.
+template <class In, bool HasRes, bool Div1>
+uint32_t encode_sr_loop(const typename In::storage* __restrict x, float* __restrict r, uint16_t* __restrict out,
+                        int64_t n, float div, const sround::Key key, int T) {
+  constexpr int64_t G = sround::kGroup;
+  const int64_t groups = (n + G - 1) / G;
+  uint32_t flag = 0;
+  TeamClock clock;
+#pragma omp parallel num_threads(T) reduction(| : flag)
+  {
+    clock.arrive();
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < groups; ++j) {
+      const philox::Ctr4x32 w = sround::group_bits(key, uint64_t(j));
+      const int64_t base = j * G;
+      const int len = int(std::min<int64_t>(G, n - base));
+      for (int e = 0; e < len; ++e) {
+        const int64_t i = base + e;
+        float xp = In::load(x[i]);
+        if constexpr (HasRes) xp = add_rn(xp, r[i]);
+        const float y = Div1 ? xp : div_rn(xp, div);
+        const uint16_t c = sround::float_to_bf16_sr_bits(y, sround::uniform16(w, e));
+        out[i] = c;
+        if constexpr (HasRes) {
+          const float d = BF16::load(c);
+          r[i] = Div1 ? sub_rn(xp, d) : sub_rn(xp, mul_rn(div, d));
+        }
+        flag |= static_cast<uint32_t>(BF16::nonfinite(c));
+      }
+    }
+    clock.finish();
+  }
+  clock.report(T);
+  return flag;
+}
+
 template <class W, class O>
 void decode_loop(const typename W::storage* __restrict in, typename O::storage* __restrict out, int64_t n, float alpha,
                  bool accumulate, int T) {
@@ -131,6 +169,26 @@ void decode_loop(const typename W::storage* __restrict in, typename O::storage* 
 
 void encode(const CastPlan& p, const EncodeArgs& a) {
   uint32_t flag = 0;
+  if (p.stochastic) {
+    const sround::Key key = sround::derive(a.ctx.seed, a.ctx.step, a.ctx.bucket, a.ctx.chunk);
+    dispatch_float(p.input, [&](auto in) {
+      using In = decltype(in);
+      const auto* xs = a.x.ptr<const typename In::storage>();
+      auto* out = reinterpret_cast<uint16_t*>(a.packet + p.layout.sections[0].offset);
+      const float d = a.divisor;
+      const int T = p.threads;
+      float* r = a.residual;
+      if (r) {
+        flag = d == 1.0f ? encode_sr_loop<In, true, true>(xs, r, out, p.numel, d, key, T)
+                         : encode_sr_loop<In, true, false>(xs, r, out, p.numel, d, key, T);
+      } else {
+        flag = d == 1.0f ? encode_sr_loop<In, false, true>(xs, nullptr, out, p.numel, d, key, T)
+                         : encode_sr_loop<In, false, false>(xs, nullptr, out, p.numel, d, key, T);
+      }
+    }, "cast: input");
+    finish_packet(a.packet, p.layout, flag ? kFlagNonFinite : 0, a.ctx);
+    return;
+  }
   dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
     dispatch_float(p.wire, [&](auto w) {

@@ -304,24 +304,12 @@ template <QuantKind K, class O, bool Acc>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const uint8_t* __restrict__ packet,
                                                           typename O::storage* __restrict__ out, int64_t n, int64_t B,
                                                           int e8m0, float alpha, HeaderExpect e, uint32_t* status) {
-  __shared__ int64_t s_codes, s_scales;
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) {
-    const PacketHeader h = load_header(packet);
-    const int input = checked_input(h, e);
-    s_ok = input >= 0;
-    if (input >= 0) {
-      s_codes = expect_section(e, input, 0).offset;
-      s_scales = expect_section(e, input, 1).offset;
-      if (blockIdx.x == 0 && (h.flags & kFlagNonFinite)) atomicOr(status, kStatusNonFinite);
-    } else if (blockIdx.x == 0) {
-      atomicOr(status, kStatusCorrupt);
-    }
-  }
-  __syncthreads();
-  if (!s_ok) return;  // corrupt: write nothing
-  const uint8_t* codes = packet + s_codes;
-  const uint8_t* scales = packet + s_scales;
+  // a non-finite value travels as a NaN/inf code (fp8) or a NaN scale (int8/int4): the flag only
+  // reaches the status word
+  const DecodeHead& head = decode_prologue(packet, e, status);
+  if (head.input < 0) return;  // corrupt: write nothing
+  const uint8_t* codes = packet + head.offset[0];
+  const uint8_t* scales = packet + head.offset[1];
   const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
   for (int64_t i = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad; i < n; i += stride) {
     const int nv = int(plan::min64(kQuad, n - i));

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Launch helpers shared by the CUDA kernels: error checking, device guard, 16-byte vector
-// loads/stores of 8 elements, the on-device header load/store and packet finishing (header, key
+// loads/stores of 8 elements, the on-device header load/store, the decode kernels' prologue
+// (header and key check, status word) and packet finishing (header, key
 // section, padding: all derived from the packet layout, kernels/core/layout.hpp), and the
 // last-block election. Element tags are kernels/common/elem.hpp, the same set the CPU uses.
 #pragma once
@@ -134,6 +135,52 @@ __device__ __forceinline__ PacketHeader load_header(const uint8_t* packet) {
   uint4 w[2] = {a, b};
   memcpy(&h, w, sizeof h);
   return h;
+}
+
+//! What a decode kernel's prologue (decode_prologue) learnt from the packet, the same in every
+//! thread of the block.
+struct DecodeHead {
+  int input;          //!< the header's input dtype code (0..2); -1: corrupt, write nothing
+  bool nonfinite;     //!< the header carries kFlagNonFinite (only when input >= 0)
+  int64_t offset[2];  //!< byte offsets of sections 0 and 1 in the layout of that input dtype
+  DType dtype[2];     //!< their dtypes
+};
+
+//! The prologue of every decode kernel: thread 0 loads the header and checks it against `e`
+//! (checked_input, then check_key_section: the key section's reserved bytes of keyed codecs),
+//! takes sections 0 and 1 of the layout of the header's input dtype and, in block 0 when `status`
+//! is not null, ORs kStatusCorrupt (a mismatch) or kStatusNonFinite (a packet flagged non-finite)
+//! into the status word; the block then synchronizes and every thread reads the same DecodeHead
+//! (a reference to the block's copy in shared memory).
+//! Only the flag reaches the status word here: a codec that writes more for a flagged packet (top-k:
+//! NaN into out[0]) does so in its own kernel. A kernel that must not report (a second kernel of
+//! one decode) passes status = nullptr.
+__device__ __forceinline__ const DecodeHead& decode_prologue(const uint8_t* packet, const HeaderExpect& e,
+                                                             uint32_t* status) {
+  __shared__ DecodeHead s_head;
+  if (threadIdx.x == 0) {
+    const PacketHeader h = load_header(packet);
+    int input = checked_input(h, e);
+    if (input >= 0 && !check_key_section(packet, e, input)) input = -1;
+    DecodeHead d{};
+    d.input = input;
+    d.nonfinite = input >= 0 && (h.flags & kFlagNonFinite) != 0;
+    d.dtype[0] = d.dtype[1] = DType::none;
+    if (input >= 0) {
+      const PacketSection s0 = expect_section(e, input, 0), s1 = expect_section(e, input, 1);
+      d.offset[0] = s0.offset;
+      d.offset[1] = s1.offset;
+      d.dtype[0] = s0.dtype;
+      d.dtype[1] = s1.dtype;
+    }
+    if (status != nullptr && blockIdx.x == 0) {
+      if (input < 0) atomicOr(status, kStatusCorrupt);
+      else if (d.nonfinite) atomicOr(status, kStatusNonFinite);
+    }
+    s_head = d;
+  }
+  __syncthreads();
+  return s_head;
 }
 //! Write the 32-byte header (one thread).
 __device__ __forceinline__ void store_header(uint8_t* packet, const PacketHeader& h) {

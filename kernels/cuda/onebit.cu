@@ -168,24 +168,11 @@ template <class O, bool Acc>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const uint8_t* __restrict__ packet,
                                                           typename O::storage* __restrict__ out, int64_t n, int64_t C,
                                                           float alpha, HeaderExpect e, uint32_t* status) {
-  __shared__ int64_t s_bits, s_scales;
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) {
-    const PacketHeader h = load_header(packet);
-    const int input = checked_input(h, e);
-    s_ok = input >= 0;
-    if (input >= 0) {
-      s_bits = expect_section(e, input, 0).offset;
-      s_scales = expect_section(e, input, 1).offset;
-      if (blockIdx.x == 0 && (h.flags & kFlagNonFinite)) atomicOr(status, kStatusNonFinite);
-    } else if (blockIdx.x == 0) {
-      atomicOr(status, kStatusCorrupt);
-    }
-  }
-  __syncthreads();
-  if (!s_ok) return;  // corrupt: write nothing
-  const uint8_t* bits = packet + s_bits;
-  const float* scales = reinterpret_cast<const float*>(packet + s_scales);
+  // a non-finite scale travels in the packet: the flag only reaches the status word
+  const DecodeHead& head = decode_prologue(packet, e, status);
+  if (head.input < 0) return;  // corrupt: write nothing
+  const uint8_t* bits = packet + head.offset[0];
+  const float* scales = reinterpret_cast<const float*>(packet + head.offset[1]);
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t k = int64_t(blockIdx.x) * kThreads + threadIdx.x; k < n; k += stride) {
     const float D = signed_scale((bits[k >> 3] >> (7 - (k & 7))) & 1u, scales[k / C]);

@@ -490,10 +490,7 @@ template <class O>
 __global__ void __launch_bounds__(kThreads) topk_zero_kernel(const uint8_t* __restrict__ packet,
                                                              typename O::storage* __restrict__ out, int64_t n,
                                                              bool vec, HeaderExpect e) {
-  __shared__ bool s_ok;
-  if (threadIdx.x == 0) s_ok = checked_input(load_header(packet), e) >= 0;
-  __syncthreads();
-  if (!s_ok) return; // corrupt: write nothing (the scatter kernel reports it)
+  if (decode_prologue(packet, e, nullptr).input < 0) return; // corrupt: write nothing (the scatter kernel reports it)
   using OS = typename O::storage;
   const int64_t stride = int64_t(gridDim.x) * kChunk;
   for (int64_t base = int64_t(blockIdx.x) * kChunk + int64_t(threadIdx.x) * kItems; base < n; base += stride) {
@@ -512,34 +509,12 @@ __global__ void __launch_bounds__(kThreads) topk_scatter_kernel(const uint8_t* _
                                                                 typename O::storage* __restrict__ out, int64_t n,
                                                                 int64_t k, float alpha, HeaderExpect e,
                                                                 uint32_t* status) {
-  __shared__ int s_input;
-  __shared__ int64_t s_index_offset, s_values_offset;
-  __shared__ DType s_index_dtype, s_values_dtype;
-  __shared__ bool s_nonfinite;
-  if (threadIdx.x == 0) {
-    const PacketHeader h = load_header(packet);
-    const int input = checked_input(h, e);
-    const bool nonfinite = input >= 0 && (h.flags & kFlagNonFinite) != 0;
-    if (blockIdx.x == 0) {
-      if (input < 0) atomicOr(status, kStatusCorrupt);
-      else if (nonfinite) atomicOr(status, kStatusNonFinite);
-    }
-    if (input >= 0) {
-      const PacketSection isec = expect_section(e, input, 0), vsec = expect_section(e, input, 1);
-      s_index_offset = isec.offset;
-      s_index_dtype = isec.dtype;
-      s_values_offset = vsec.offset;
-      s_values_dtype = vsec.dtype;
-    }
-    s_input = input;
-    s_nonfinite = nonfinite;
-  }
-  __syncthreads();
-  if (s_input < 0) return;
-  const uint8_t* idx = packet + s_index_offset;
-  const uint8_t* vals = packet + s_values_offset;
-  const DType values_dtype = s_values_dtype;
-  const bool index_u64 = s_index_dtype == DType::uint64;
+  const DecodeHead& head = decode_prologue(packet, e, status);  // sections 0, 1: indices, values
+  if (head.input < 0) return;  // corrupt: write nothing
+  const uint8_t* idx = packet + head.offset[0];
+  const uint8_t* vals = packet + head.offset[1];
+  const DType values_dtype = head.dtype[1];
+  const bool index_u64 = head.dtype[0] == DType::uint64;
   auto index_at = [&](int64_t j) -> uint64_t {
     return index_u64 ? reinterpret_cast<const uint64_t*>(idx)[j] : reinterpret_cast<const uint32_t*>(idx)[j];
   };
@@ -557,7 +532,7 @@ __global__ void __launch_bounds__(kThreads) topk_scatter_kernel(const uint8_t* _
     out[i] = O::store(Acc ? add_rn(O::load(out[i]), t) : t);
   }
   // Global thread 0 handled entry 0, the only one that may write out[0].
-  if (first == 0 && s_nonfinite && n > 0) out[0] = O::store(quiet_nan());
+  if (first == 0 && head.nonfinite && n > 0) out[0] = O::store(quiet_nan());
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(status, kStatusCorrupt);
 }
 

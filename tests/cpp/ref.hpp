@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "gradcomp/gradcomp.hpp"
+#include "seed.hpp"
 
 namespace ref {
 
@@ -179,16 +180,8 @@ struct Input {
 inline gradcomp::Tensor f32_tensor(std::vector<float>& v) { return {v.data(), DType::float32, int64_t(v.size()), {}}; }
 
 // ---- random inputs ------------------------------------------------------------------------------
-//! Seed for the randomized tests: GRADCOMP_TEST_SEED if set, else fresh from std::random_device.
-//! Printed on failure (SCOPED_TRACE in the tests) so that a failing run can be repeated.
-inline uint64_t test_seed() {
-  static const uint64_t s = [] {
-    if (const char* e = std::getenv("GRADCOMP_TEST_SEED")) return uint64_t(std::strtoull(e, nullptr, 10));
-    std::random_device rd;
-    return (uint64_t(rd()) << 32) ^ rd();
-  }();
-  return s;
-}
+// The tests seed every generator they pass to these helpers from test_seed() (seed.hpp: fixed
+// by default, GRADCOMP_TEST_SEED overrides it, printed once).
 
 enum class Dist { normal, ties, constant, zeros, wide, outlier, specials };
 inline const char* dist_name(Dist d) {
@@ -350,7 +343,7 @@ inline Encoded encode(const gradcomp::Codec& c, const Input& x, const std::vecto
     e.residual = *r;
     rt = f32_tensor(e.residual);
   }
-  c.encode(x.tensor(), r ? &rt : nullptr, e.packet.tensor(), ws.tensor(), {}, divisor);
+  c.encode(x.tensor(), r ? &rt : nullptr, e.packet.tensor(), ws.tensor(), divisor);
   for (int64_t i = 0; i < kGuard; ++i) {
     if (e.packet.data()[e.packet_bytes + i] != 0xCD) {
       ADD_FAILURE() << "encode wrote past the packet end (byte " << e.packet_bytes + i << ")";

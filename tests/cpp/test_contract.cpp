@@ -10,7 +10,8 @@
 //   x' == D + r_new exactly for codecs whose properties say so; a non-finite input giving a
 //   non-finite decoded result and the status bit; packets identical at 1, 2 and 3 threads; sizes
 //   0, 1, 7, 2^k +- 1; two encodes on one workspace; encode never touching the status word; the
-//   EncodeContext key round trip (keyed codecs) or no effect (the others).
+//   EncodeContext: for keyed codecs the key read back from the packet, the same packet for the same
+//   key, another for the next step, a non-zero reserved key byte refused; no effect on the others.
 // Inputs are seeded from ref::test_seed() (GRADCOMP_TEST_SEED), printed on failure.
 #include <gtest/gtest.h>
 
@@ -106,7 +107,7 @@ std::unique_ptr<Encoded> encode_guarded(const Codec& c, const ref::Input& x, con
     run->residual = *r;
     rt = ref::f32_tensor(run->residual);
   }
-  c.encode(x.tensor(), r ? &rt : nullptr, run->packet.tensor(), run->ws.tensor(), {}, divisor, ctx);
+  c.encode(x.tensor(), r ? &rt : nullptr, run->packet.tensor(), run->ws.tensor(), divisor, ctx);
   EXPECT_TRUE(run->packet.guards_intact()) << "encode wrote outside the packet";
   EXPECT_TRUE(run->ws.guards_intact()) << "encode wrote outside the workspace";
   return run;
@@ -356,25 +357,54 @@ TEST_P(Contract, EncodeContextRoundTrip) {
   std::mt19937_64 g(ref::test_seed() + 6);
   const int64_t n = 4097;
   const ref::Input x = random_input(dt, n, g);
-  const gradcomp::EncodeContext a{0x0123456789ABCDEFull, 7, 3}, b{42, 0xFFFFFFFFu, 0};
+  const std::vector<float> r0 = random_residual(n, g);
+  const gradcomp::EncodeContext a{0x0123456789ABCDEFull, 7, 3, 5}, b{42, 0xFFFFFFFFu, 0, 0xFFFFFFFFu};
   const auto pa = encode_guarded(*codec, x, nullptr, 1.0f, a);
   const auto pb = encode_guarded(*codec, x, nullptr, 1.0f, b);
   const PacketLayout l = codec->layout(n, dt);
+  auto same = [](const Encoded& p, const Encoded& q) {
+    return p.packet.n == q.packet.n && std::memcmp(p.packet.data(), q.packet.data(), size_t(p.packet.n)) == 0;
+  };
   if (codec->properties().keyed) {
     ASSERT_GE(l.key_section, 0);
-    const uint8_t* k = pa->packet.data() + l.sections[l.key_section].offset;
-    uint64_t seed = 0;
-    uint32_t step = 0, bucket = 0;
-    std::memcpy(&seed, k, 8);
-    std::memcpy(&step, k + 8, 4);
-    std::memcpy(&bucket, k + 12, 4);
-    EXPECT_EQ(seed, a.seed);
-    EXPECT_EQ(step, a.step);
-    EXPECT_EQ(bucket, a.bucket);
+    EXPECT_EQ(l.sections[l.key_section].count, gradcomp::kKeyBytes);
+    // the key read back from the packet: u64 seed, u32 step, bucket, chunk, 12 reserved zero bytes
+    for (const auto& [run, key] : {std::pair{pa.get(), a}, std::pair{pb.get(), b}}) {
+      const uint8_t* k = run->packet.data() + l.sections[l.key_section].offset;
+      uint64_t seed = 0;
+      uint32_t step = 0, bucket = 0, chunk = 0;
+      std::memcpy(&seed, k, 8);
+      std::memcpy(&step, k + 8, 4);
+      std::memcpy(&bucket, k + 12, 4);
+      std::memcpy(&chunk, k + 16, 4);
+      EXPECT_EQ(seed, key.seed);
+      EXPECT_EQ(step, key.step);
+      EXPECT_EQ(bucket, key.bucket);
+      EXPECT_EQ(chunk, key.chunk);
+      for (int i = 20; i < 32; ++i) EXPECT_EQ(k[i], 0) << "reserved key byte " << i;
+    }
+    // the same key: the same packet (and residual) on every call; the next step: another packet
+    const auto pa2 = encode_guarded(*codec, x, nullptr, 1.0f, a);
+    EXPECT_TRUE(same(*pa, *pa2)) << "the same key gave another packet";
+    gradcomp::EncodeContext next = a;
+    ++next.step;
+    const auto pn = encode_guarded(*codec, x, nullptr, 1.0f, next);
+    EXPECT_FALSE(same(*pa, *pn)) << "the next step gave the same packet";
+    const auto ra = encode_guarded(*codec, x, &r0, 3.0f, a), ra2 = encode_guarded(*codec, x, &r0, 3.0f, a);
+    EXPECT_TRUE(same(*ra, *ra2));
+    EXPECT_EQ(std::memcmp(ra->residual.data(), ra2->residual.data(), size_t(n) * 4), 0);
+    // a non-zero reserved key byte: CorruptPacket, nothing written
+    for (int i : {20, 31}) {
+      GuardedBytes bad(pa->packet.n, 0xCD);
+      std::memcpy(bad.data(), pa->packet.data(), size_t(pa->packet.n));
+      bad.data()[l.sections[l.key_section].offset + i] = 1;
+      GuardedBytes out(n * 4, 0x5A);
+      EXPECT_THROW(codec->decode(bad.tensor(), {out.data(), DType::float32, n, {}}, Tensor{}), CorruptPacket) << i;
+      for (int64_t j = 0; j < n * 4; ++j) ASSERT_EQ(out.data()[j], 0x5A) << "decode wrote into out";
+    }
   } else {
     EXPECT_EQ(l.key_section, -1);
-    EXPECT_EQ(std::memcmp(pa->packet.data(), pb->packet.data(), size_t(pa->packet.n)), 0)
-        << "the key changed the packet of a codec that draws no random numbers";
+    EXPECT_TRUE(same(*pa, *pb)) << "the key changed the packet of a codec that draws no random numbers";
   }
 }
 

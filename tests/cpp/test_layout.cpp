@@ -2,7 +2,8 @@
 // The declarative packet layout (kernels/core/layout.hpp): section offsets and sizes for every wire
 // dtype (packed int4 and bits included), the padding ranges, finish_packet (header, key, zeroed
 // padding), the header check's verdict for each field (the same function runs on the device), the
-// host messages, a maximum main parameter, and the EncodeContext key bytes. References: byte
+// host messages, a maximum main parameter, and the EncodeContext key bytes (32: seed, step, bucket,
+// chunk, 12 reserved zero bytes that decode checks). References: byte
 // arithmetic written here.
 #include <gtest/gtest.h>
 
@@ -27,8 +28,8 @@ gradcomp::PacketLayout sample(const gradcomp::Codec& c, int64_t n, DType in, gra
   b.wire(DType::float8_e4m3fn).index(DType::none).main_param(128, kind);
   b.section("codes", 7, DType::int4);          // 4 bytes at 32
   b.section("bits", 13, DType::uint1);         // 2 bytes at 48
-  b.key();                                     // 16 bytes at 64
-  b.section("scales", 3, DType::float8_e8m0fnu); // 3 bytes at 80
+  b.key();                                     // 32 bytes at 64
+  b.section("scales", 3, DType::float8_e8m0fnu); // 3 bytes at 96
   return b.build();
 }
 
@@ -42,30 +43,35 @@ TEST(Layout, SectionsPaddingAndFinish) {
   auto c = gradcomp::Codec::create("none");
   const auto l = sample(*c, 99, DType::float16, gradcomp::MainParamKind::exact);
   ASSERT_EQ(l.nsections, 4);
-  const int64_t want_off[] = {32, 48, 64, 80};
+  const int64_t want_off[] = {32, 48, 64, 96};
   for (int s = 0; s < 4; ++s) EXPECT_EQ(l.sections[s].offset, want_off[s]) << s;
   EXPECT_EQ(gradcomp::storage_bytes(DType::int4, 7), 4);
   EXPECT_EQ(gradcomp::storage_bytes(DType::uint1, 13), 2);
   EXPECT_EQ(gradcomp::storage_bytes(DType::uint1, 16), 2);
   EXPECT_EQ(gradcomp::storage_bytes(DType::uint1, 17), 3);
-  EXPECT_EQ(l.bytes, 96);
+  EXPECT_EQ(l.bytes, 112);
   EXPECT_EQ(l.key_section, 2);
+  EXPECT_EQ(gradcomp::kKeyBytes, 32);
+  EXPECT_EQ(l.sections[2].count, 32);
   EXPECT_EQ(l.header.numel, 99u);
   EXPECT_EQ(l.header.input_dtype, uint8_t(DType::float16));
   EXPECT_EQ(l.header.wire_dtype, uint8_t(DType::float8_e4m3fn));
   std::vector<std::pair<int64_t, int64_t>> pads;
   gradcomp::detail::for_each_padding(l, [&](int64_t b, int64_t e) { pads.emplace_back(b, e); });
-  const std::vector<std::pair<int64_t, int64_t>> want_pads = {{36, 48}, {50, 64}, {83, 96}};
+  const std::vector<std::pair<int64_t, int64_t>> want_pads = {{36, 48}, {50, 64}, {99, 112}};
   EXPECT_EQ(pads, want_pads);
-  std::vector<uint8_t> p(96, 0xCD);
-  const gradcomp::EncodeContext ctx{0x1122334455667788ull, 0xA1B2C3D4u, 0x01020304u};
+  std::vector<uint8_t> p(112, 0xCD);
+  const gradcomp::EncodeContext ctx{0x1122334455667788ull, 0xA1B2C3D4u, 0x01020304u, 0xF0E0D0C0u};
   gradcomp::detail::finish_packet(p.data(), l, gradcomp::kFlagNonFinite, ctx);
   for (auto [b, e] : want_pads)
     for (int64_t i = b; i < e; ++i) EXPECT_EQ(p[size_t(i)], 0) << i;
-  for (int64_t i : {32, 35, 48, 49, 80, 82}) EXPECT_EQ(p[size_t(i)], 0xCD) << "a section byte was touched: " << i;
-  const uint8_t key[16] = {0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11, 0xD4, 0xC3, 0xB2, 0xA1, 4, 3, 2, 1};
-  EXPECT_EQ(std::memcmp(p.data() + 64, key, 16), 0);
+  for (int64_t i : {32, 35, 48, 49, 96, 98}) EXPECT_EQ(p[size_t(i)], 0xCD) << "a section byte was touched: " << i;
+  // seed, step, bucket, chunk little-endian, then 12 reserved zero bytes (written over the 0xCD fill)
+  const uint8_t key[32] = {0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11, 0xD4, 0xC3, 0xB2, 0xA1, 4, 3, 2, 1,
+                           0xC0, 0xD0, 0xE0, 0xF0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  EXPECT_EQ(std::memcmp(p.data() + 64, key, 32), 0);
   EXPECT_EQ(gradcomp::detail::load_key(p.data() + 64), ctx);
+  EXPECT_TRUE(gradcomp::detail::key_reserved_zero(p.data() + 64));
   PacketHeader h;
   std::memcpy(&h, p.data(), 32);
   EXPECT_EQ(h.flags, gradcomp::kFlagNonFinite);
@@ -77,7 +83,7 @@ TEST(Layout, SectionsPaddingAndFinish) {
 TEST(Layout, HeaderCheckNamesEachField) {
   auto c = gradcomp::Codec::create("none");
   const int64_t n = 99;
-  const HeaderExpect e = expect_for(*c, n, 96, gradcomp::MainParamKind::exact);
+  const HeaderExpect e = expect_for(*c, n, 112, gradcomp::MainParamKind::exact);
   const PacketHeader good = sample(*c, n, DType::bfloat16, gradcomp::MainParamKind::exact).header;
   int input = -1;
   ASSERT_EQ(check_header(good, e, &input), HeaderFault::ok);
@@ -115,7 +121,7 @@ TEST(Layout, HeaderCheckNamesEachField) {
     }
   }
   // a packet buffer smaller than the layout
-  const HeaderExpect small = expect_for(*c, n, 95, gradcomp::MainParamKind::exact);
+  const HeaderExpect small = expect_for(*c, n, 111, gradcomp::MainParamKind::exact);
   EXPECT_EQ(check_header(good, small, &input), HeaderFault::size);
   // the non-finite flag is defined
   PacketHeader nf = good;
@@ -125,7 +131,7 @@ TEST(Layout, HeaderCheckNamesEachField) {
 
 TEST(Layout, MaximumMainParameterIsClamped) {
   auto c = gradcomp::Codec::create("none");
-  const HeaderExpect e = expect_for(*c, 99, 96, gradcomp::MainParamKind::maximum);
+  const HeaderExpect e = expect_for(*c, 99, 112, gradcomp::MainParamKind::maximum);
   PacketHeader h = e.by_input[0].header;
   int input = -1;
   for (uint64_t count : {uint64_t(0), uint64_t(5), uint64_t(128), uint64_t(129), ~uint64_t(0)}) {
@@ -133,4 +139,47 @@ TEST(Layout, MaximumMainParameterIsClamped) {
     EXPECT_EQ(check_header(h, e, &input), HeaderFault::ok) << count;
     EXPECT_EQ(gradcomp::detail::effective_main_param(h, e.by_input[0]), std::min<uint64_t>(count, 128)) << count;
   }
+}
+
+// The key section's 12 reserved bytes (20-31): every one of them non-zero is refused, by the host
+// check (validate_key: CorruptPacket naming the byte) and by the device check (check_key_section,
+// the function the CUDA decode kernels run); a layout without a key section has nothing to check.
+TEST(Layout, KeyReservedBytesAreChecked) {
+  auto c = gradcomp::Codec::create("none");
+  const int64_t n = 99;
+  const auto l = sample(*c, n, DType::float32, gradcomp::MainParamKind::exact);
+  const HeaderExpect e = expect_for(*c, n, 112, gradcomp::MainParamKind::exact);
+  EXPECT_EQ(gradcomp::detail::expect_key_offset(e, 0), 64);
+  EXPECT_EQ(gradcomp::detail::expect_key_offset(e, 2), 64);
+  std::vector<uint8_t> p(112, 0xCD);
+  const gradcomp::EncodeContext ctx{~uint64_t(0), ~uint32_t(0), ~uint32_t(0), ~uint32_t(0)};
+  gradcomp::detail::finish_packet(p.data(), l, 0, ctx);
+  EXPECT_NO_THROW(gradcomp::detail::validate_key(p.data(), l, *c));
+  EXPECT_TRUE(gradcomp::detail::check_key_section(p.data(), e, 0));
+  EXPECT_EQ(gradcomp::detail::load_key(p.data() + 64), ctx);
+  for (int b = 20; b < 32; ++b) {
+    for (uint8_t v : {uint8_t(1), uint8_t(0x80)}) {
+      SCOPED_TRACE("reserved byte " + std::to_string(b) + " = " + std::to_string(int(v)));
+      std::vector<uint8_t> q = p;
+      q[size_t(64 + b)] = v;
+      EXPECT_FALSE(gradcomp::detail::key_reserved_zero(q.data() + 64));
+      EXPECT_FALSE(gradcomp::detail::check_key_section(q.data(), e, 0));
+      try {
+        gradcomp::detail::validate_key(q.data(), l, *c);
+        ADD_FAILURE() << "no exception";
+      } catch (const gradcomp::CorruptPacket& ex) {
+        EXPECT_NE(std::string(ex.what()).find("reserved byte " + std::to_string(b)), std::string::npos) << ex.what();
+      }
+    }
+  }
+  // no key section: nothing to check, whatever the bytes
+  LayoutBuilder nb(*c, n, DType::float32);
+  nb.section("payload", n, DType::float32);
+  const auto nl = nb.build();
+  EXPECT_EQ(nl.key_section, -1);
+  std::vector<uint8_t> r(size_t(nl.bytes), 0xFF);
+  EXPECT_NO_THROW(gradcomp::detail::validate_key(r.data(), nl, *c));
+  const HeaderExpect ne = gradcomp::detail::make_expect(nl.bytes, [&](DType) { return nl; });
+  EXPECT_EQ(gradcomp::detail::expect_key_offset(ne, 0), -1);
+  EXPECT_TRUE(gradcomp::detail::check_key_section(r.data(), ne, 0));
 }

@@ -35,7 +35,7 @@ One encode_one(const char* spec, uint32_t x, uint32_t r, float divisor) {
   auto* ws = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wraw.data()) + 15) & ~uintptr_t(15));
   Tensor residual{rs.data(), DType::float32, 1, {}};
   c->encode({xs.data(), DType::float32, 1, {}}, &residual, {packet, DType::uint8, pb, {}}, {ws, DType::uint8, wb, {}},
-            {}, divisor);
+            divisor);
   One o{};
   const int64_t off = std::string(spec).rfind("topk", 0) == 0 ? 48 : 32;  // k = 1: index at 32, value at 48
   if (std::string(spec) == "fp16" || std::string(spec).find("float16") != std::string::npos) {

@@ -152,25 +152,36 @@ def codecs() -> list:
     return _C.list_codecs()
 
 
-def _key(key: Any) -> tuple[int, int, int]:
-    """An EncodeContext (seed, step, bucket): integers in [0, 2^64), [0, 2^32), [0, 2^32)."""
+_KEY_FIELDS = (("seed", 64), ("step", 32), ("bucket", 32), ("chunk", 32))
+_KEY_ACCEPTED = "0 <= seed < 2^64, 0 <= step < 2^32, 0 <= bucket < 2^32, 0 <= chunk < 2^32"
+
+
+def _key(key: Any) -> tuple[int, int, int, int]:
+    """An EncodeContext ``(seed, step, bucket, chunk)``: integers in [0, 2^64), [0, 2^32),
+    [0, 2^32), [0, 2^32); a 3-tuple ``(seed, step, bucket)`` is chunk 0; None is (0, 0, 0, 0)."""
     if key is None:
-        return 0, 0, 0
-    if not isinstance(key, (tuple, list)) or len(key) != 3:
-        raise _C.InvalidArgumentError(f"key={key!r}: expected a tuple (seed, step, bucket) of three integers")
+        return 0, 0, 0, 0
+    if not isinstance(key, (tuple, list)) or len(key) not in (3, 4):
+        raise _C.InvalidArgumentError(
+            f"key={key!r}: expected a tuple (seed, step, bucket, chunk) of four integers, or (seed, step, bucket) "
+            f"for chunk 0; accepted: {_KEY_ACCEPTED}")
     out = []
-    for v, name, bits in zip(key, ("seed", "step", "bucket"), (64, 32, 32)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < (1 << bits):
-            raise _C.InvalidArgumentError(f"key: {name}={v!r} is not an integer in [0, 2^{bits})")
+    for v, (name, nbits) in zip(key, _KEY_FIELDS):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < (1 << nbits):
+            raise _C.InvalidArgumentError(
+                f"key={tuple(key)!r}: {name}={v!r} is not an integer in [0, 2^{nbits}); accepted: {_KEY_ACCEPTED}")
         out.append(int(v))
-    return out[0], out[1], out[2]
+    if len(out) == 3:
+        out.append(0)
+    return out[0], out[1], out[2], out[3]
 
 
 class Codec:
     """A gradient codec built from a spec string ``name[:key=value,...]``.
 
     Codecs (``gradcomp.codecs()`` lists them with their keys and example specs): ``none``,
-    ``fp16``, ``bf16`` (round-to-nearest-even casts, linear) and ``topk`` (exact top-k by
+    ``fp16``, ``bf16`` (round-to-nearest-even casts, linear; ``bf16:rounding=stochastic`` rounds
+    stochastically and is keyed: see ``encode(key=...)``) and ``topk`` (exact top-k by
     magnitude; keys ``ratio`` in (0, 1] or ``k`` >= 0, ``index`` = auto|u32|u64, ``value_dtype``
     = auto|float32|float16|bfloat16). The README describes each codec and the packet format.
 
@@ -227,9 +238,17 @@ class Codec:
         other byte of a packet is zero."""
         return self._c.layout(_count(numel, "numel"), _dtype_name(dtype))
 
-    def packet_key(self, packet: Any) -> Optional[tuple[int, int, int]]:
-        """The ``(seed, step, bucket)`` key a CPU packet of a keyed codec carries; None for codecs
-        that draw no random numbers. Reads the header's numel and input dtype to find the section."""
+    def packet_key(self, packet: Any) -> Optional[tuple[int, int, int, int]]:
+        """The ``(seed, step, bucket, chunk)`` key a CPU packet of a keyed codec carries (its
+        32-byte key section: u64 seed, u32 step, u32 bucket, u32 chunk little-endian, 12 reserved
+        zero bytes); None for codecs that draw no random numbers. Reads the header's numel and
+        input dtype to find the section.
+
+        Raises:
+            InvalidArgumentError: not a CPU packet of at least 32 bytes.
+            CorruptPacketError: a bad input dtype code, a packet shorter than its key section, or
+                a non-zero reserved byte.
+        """
         b = _host_bytes(packet)
         if not self.properties["keyed"]:
             return None
@@ -241,11 +260,18 @@ class Codec:
             raise _C.CorruptPacketError(f"packet_key: packet input dtype code {int(b[8])} is not float32/float16/bfloat16")
         lay = self.layout(numel, names[int(b[8])])
         _, off, _, _ = lay["sections"][lay["key_section"]]
-        raw = b[off: off + 16].tobytes()
-        if len(raw) != 16:
-            raise _C.CorruptPacketError("packet_key: packet shorter than its key section")
+        nkey = int(_C.KEY_BYTES)
+        raw = b[off: off + nkey].tobytes()
+        if len(raw) != nkey:
+            raise _C.CorruptPacketError(
+                f"packet_key: packet of {b.size} bytes is shorter than its key section (bytes {off}-{off + nkey - 1})")
+        if any(raw[20:]):
+            at = 20 + next(i for i, v in enumerate(raw[20:]) if v)
+            raise _C.CorruptPacketError(
+                f"packet_key: reserved byte {at} of the key section (packet byte {off + at}) is 0x{raw[at]:02x}; "
+                f"accepted: bytes 20-{nkey - 1} of the key section are zero")
         return (int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:12], "little"),
-                int.from_bytes(raw[12:16], "little"))
+                int.from_bytes(raw[12:16], "little"), int.from_bytes(raw[16:20], "little"))
 
     def packet_bytes(self, numel: int, dtype: Any = "float32") -> int:
         """Exact packet size in bytes (a multiple of 16) for ``numel`` elements of ``dtype``."""
@@ -319,16 +345,21 @@ class Codec:
                 place; allocated with x's framework when None.
             divisor: x' is divided by it before compression (e.g. the world size).
             workspace: scratch buffer; the codec's cached one when None.
-            key: ``(seed, step, bucket)``, the EncodeContext of codecs that draw random numbers
-                (Philox keyed by values every rank shares; it travels in the packet, so
-                decode needs no key). Ignored by the others; default (0, 0, 0).
+            key: ``(seed, step, bucket, chunk)``, the EncodeContext of codecs that draw random
+                numbers (Philox keyed by values every rank shares: the same key gives the same
+                packet on every rank and backend; it travels in the packet, so decode needs no
+                key). Integers with 0 <= seed < 2^64 and step, bucket, chunk in [0, 2^32); chunk
+                tells apart pieces of one bucket encoded separately. A 3-tuple ``(seed, step,
+                bucket)`` is accepted as chunk 0. Ignored by codecs that are not keyed; default
+                (0, 0, 0, 0).
 
         Returns:
             The packet (``out``).
 
         Raises:
             InvalidArgumentError: wrong dtype, size, device or alignment; a non-contiguous or
-                read-only tensor.
+                read-only tensor; a key that is not 3 or 4 integers in the ranges above (the
+                message names the value and the ranges).
             UnsupportedError: a CUDA tensor in a CPU-only build.
         """
         numel, dtype = _numel_dtype(x)
@@ -351,9 +382,9 @@ class Codec:
             out = aligned_empty(x, self.packet_bytes(numel, dtype))
         if workspace is None:
             workspace = self.workspace(x, numel, dtype)
-        seed, step, bucket = _key(key)
+        seed, step, bucket, chunk = _key(key)
         xv, xo = _numpy_view(x)
-        self._c.encode(xv, residual, out, workspace, divisor, _stream_of(x), xo, seed, step, bucket)
+        self._c.encode(xv, residual, out, workspace, divisor, _stream_of(x), xo, seed, step, bucket, chunk)
         return out
 
     def decode(self, packet: Any, out: Any = None, numel: Optional[int] = None,

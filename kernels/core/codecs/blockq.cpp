@@ -38,13 +38,11 @@ class BlockQCodec final : public FamilyCodec<BlockQPlan> {
                    "(OCP MX blocks of 32 elements), got block=", block_);
     GRADCOMP_CHECK(kind_ != QuantKind::int4 || block_ % 2 == 0, InvalidArgument, "codec spec '", s.text,
                    "': int4 packs two codes per byte, so the block must be even (or 0), got block=", block_);
-    std::string c(s.name);
-    std::string opts;
-    auto add = [&](const std::string& kv) { opts += (opts.empty() ? ":" : ",") + kv; };
-    if (fp8 && kind_ == QuantKind::e5m2) add("format=e5m2");
-    if (block_ != default_block) add("block=" + std::to_string(block_));
-    if (e8m0_) add("scale=e8m0");
-    set_spec(c + opts);
+    CanonicalSpec c(s.name);
+    if (fp8 && kind_ == QuantKind::e5m2) c.add("format", "e5m2");
+    if (block_ != default_block) c.add("block", block_);
+    if (e8m0_) c.add("scale", "e8m0");
+    set_spec(c.str());
   }
   CodecProperties properties() const noexcept override {
     CodecProperties p;

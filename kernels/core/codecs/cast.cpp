@@ -9,15 +9,29 @@ namespace {
 
 class CastCodec final : public FamilyCodec<CastPlan> {
  public:
-  explicit CastCodec(std::string_view name) : wire_(name == "fp16" ? DType::float16 : name == "bf16" ? DType::bfloat16 : DType::none) {
-    set_spec(std::string(name));
+  explicit CastCodec(const ParsedSpec& s)
+      : wire_(s.name == "fp16" ? DType::float16 : s.name == "bf16" ? DType::bfloat16 : DType::none) {
+    // `rounding` (bf16 only: the registry accepts no key for none / fp16)
+    if (auto it = s.options.find("rounding"); it != s.options.end()) {
+      if (it->second == "nearest") stochastic_ = false;
+      else if (it->second == "stochastic") stochastic_ = true;
+      else
+        throw InvalidArgument(concat("codec spec '", s.text, "': rounding='", display(it->second, 60),
+                                     "' is not accepted; accepted: nearest (default), stochastic"));
+    }
+    CanonicalSpec c(s.name);
+    if (stochastic_) c.add("rounding", "stochastic");
+    set_spec(c.str());
   }
   CodecProperties properties() const noexcept override {
     CodecProperties p;
     p.linear = true;
-    p.unbiased = wire_ == DType::none;
+    // stochastic rounding: E[q] = y (kernels/common/sround.hpp); q brackets x' at divisor 1, so
+    // x' - q stays exact; the same input and key give the same bytes
+    p.unbiased = wire_ == DType::none || stochastic_;
     p.deterministic = true;
     p.exact_residual = true;
+    p.keyed = stochastic_;
     return p;
   }
 
@@ -28,9 +42,11 @@ class CastCodec final : public FamilyCodec<CastPlan> {
     p.wire = wire_ == DType::none ? input : wire_;
     p.numel = numel;
     p.threads = cpu_threads_for(numel);
+    p.stochastic = stochastic_;
     LayoutBuilder b(*this, numel, input);
     b.wire(p.wire);
     b.payload("payload", numel, p.wire);
+    if (stochastic_) b.key();
     p.layout = b.build();
     return p;
   }
@@ -38,10 +54,11 @@ class CastCodec final : public FamilyCodec<CastPlan> {
 
  private:
   DType wire_; //!< DType::none: the input dtype (codec none)
+  bool stochastic_ = false; //!< bf16:rounding=stochastic
 };
 
 } // namespace
 
-std::unique_ptr<Codec> make_cast(const ParsedSpec& s) { return std::make_unique<CastCodec>(s.name); }
+std::unique_ptr<Codec> make_cast(const ParsedSpec& s) { return std::make_unique<CastCodec>(s); }
 
 } // namespace gradcomp::detail

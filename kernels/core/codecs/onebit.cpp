@@ -27,11 +27,10 @@ class OnebitCodec final : public FamilyCodec<OnebitPlan> {
                      " is not accepted; accepted: 0 (the whole tensor) or a multiple of 8 in [8, 2^40] (each chunk "
                      "starts on a byte of the bit section)");
     }
-    std::string opts;
-    auto add = [&](const std::string& kv) { opts += (opts.empty() ? ":" : ",") + kv; };
-    if (chunk_ != 0) add("chunk=" + std::to_string(chunk_));
-    if (!l2_) add("scale=mean_abs");
-    set_spec("onebit" + opts);
+    CanonicalSpec c("onebit");
+    if (chunk_ != 0) c.add("chunk", chunk_);
+    if (!l2_) c.add("scale", "mean_abs");
+    set_spec(c.str());
   }
   CodecProperties properties() const noexcept override {
     CodecProperties p;

@@ -46,11 +46,13 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
         throw InvalidArgument(concat("codec spec '", s.text, "': value_dtype='", display(it->second, 60),
                                      "' is not accepted; accepted: auto, float32, float16, bfloat16"));
     }
-    std::string c = has_k_ ? "topk:k=" + std::to_string(k_) : "topk:ratio=" + format_double(ratio_);
-    if (index_ == IndexMode::u32) c += ",index=u32";
-    if (index_ == IndexMode::u64) c += ",index=u64";
-    if (value_ != DType::none) c += ",value_dtype=" + std::string(dtype_name(value_));
-    set_spec(std::move(c));
+    CanonicalSpec c("topk");
+    if (has_k_) c.add("k", k_);
+    else c.add("ratio", ratio_);
+    if (index_ == IndexMode::u32) c.add("index", "u32");
+    if (index_ == IndexMode::u64) c.add("index", "u64");
+    if (value_ != DType::none) c.add("value_dtype", dtype_name(value_));
+    set_spec(c.str());
   }
   CodecProperties properties() const noexcept override {
     CodecProperties p;

@@ -22,6 +22,9 @@ What it checks (tests/cpp/test_contract.cpp is the C++ twin):
     the status word's non-finite bit;
   * packets and residuals identical at 1, 2 and 3 CPU threads; sizes 0, 1, 7, 2^k +- 1;
   * two encodes on one workspace give the same packet; encode never touches the status word;
-  * the EncodeContext key: keyed codecs carry it (``Codec.packet_key``), the others ignore it.
+  * the EncodeContext key ``(seed, step, bucket, chunk)``: keyed codecs carry it in a 32-byte
+    section (``Codec.packet_key`` reads it back; a non-zero reserved byte is refused), give the
+    same packet on every call with the same key and another one for the next step; the others
+    ignore it.
 The references are numpy arithmetic and byte parsing written here, independent of gradcomp.
 """

@@ -279,15 +279,48 @@ def test_encode_leaves_the_status_word(spec, dtype, device):
 
 def test_encode_key_round_trip(spec, dtype):
     c = gradcomp.Codec(spec)
-    x, _ = make_input(4097, dtype, "cpu", seed_of(spec, dtype, "key"))
-    a, b = (0x0123456789ABCDEF, 7, 3), (42, 2**32 - 1, 0)
+    n = 4097
+    x, r0 = make_input(n, dtype, "cpu", seed_of(spec, dtype, "key"))
+    a, b = (0x0123456789ABCDEF, 7, 3, 5), (42, 2**32 - 1, 0, 2**32 - 1)
     pa, pb = Run(c, x, key=a).packet, Run(c, x, key=b).packet
     if c.properties["keyed"]:
+        # the key read back from the packet
         assert c.packet_key(pa) == a and c.packet_key(pb) == b
+        lay = c.layout(n, dtype)
+        _, off, count, _ = lay["sections"][lay["key_section"]]
+        assert count == gradcomp._C.KEY_BYTES == 32
+        raw = host(pa)[off: off + 32].tobytes()
+        assert raw == (a[0].to_bytes(8, "little") + a[1].to_bytes(4, "little") + a[2].to_bytes(4, "little")
+                       + a[3].to_bytes(4, "little") + bytes(12)), "key section: u64 seed, u32 step, bucket, chunk, 12 zeros"
+        # the same key: the same packet (and residual) on every call
+        assert torch.equal(Run(c, x, key=a).packet, pa), "the same key gave another packet"
+        ra, rb = Run(c, x, residual=r0, divisor=3.0, key=a), Run(c, x, residual=r0, divisor=3.0, key=a)
+        assert torch.equal(ra.packet, rb.packet) and torch.equal(ra.residual.view(torch.int32),
+                                                                 rb.residual.view(torch.int32))
+        # the next step: another packet
+        nxt = (a[0], a[1] + 1, a[2], a[3])
+        pn = Run(c, x, key=nxt).packet
+        assert not torch.equal(pn, pa), "the next step gave the same packet"
+        assert c.packet_key(pn) == nxt
+        # a 3-tuple is chunk 0
+        assert torch.equal(Run(c, x, key=a[:3]).packet, Run(c, x, key=a[:3] + (0,)).packet)
+        assert c.packet_key(Run(c, x, key=a[:3]).packet) == a[:3] + (0,)
+        # a non-zero reserved key byte: refused (CPU: CorruptPacketError with nothing written)
+        for at in (20, 31):
+            bad = gradcomp.aligned_empty(pa, pa.numel())
+            bad.copy_(pa)
+            bad[off + at] = 1
+            _expect_refused(c, bad, n, "cpu", f"reserved key byte {at}")
+            with pytest.raises(gradcomp.CorruptPacketError, match="reserved"):
+                c.packet_key(bad)
     else:
         assert c.packet_key(pa) is None
         assert torch.equal(pa, pb), "the key changed the packet of a codec that draws no random numbers"
-    with pytest.raises(gradcomp.InvalidArgumentError, match="seed"):
+    with pytest.raises(gradcomp.InvalidArgumentError, match="seed=-1.*accepted"):
         c.encode(x, key=(-1, 0, 0))
-    with pytest.raises(gradcomp.InvalidArgumentError, match="step"):
+    with pytest.raises(gradcomp.InvalidArgumentError, match="step=4294967296.*accepted"):
         c.encode(x, key=(0, 2**32, 0))
+    with pytest.raises(gradcomp.InvalidArgumentError, match="chunk=4294967296.*accepted"):
+        c.encode(x, key=(0, 0, 0, 2**32))
+    with pytest.raises(gradcomp.InvalidArgumentError, match="seed, step, bucket, chunk"):
+        c.encode(x, key=(0, 0))

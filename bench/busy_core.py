@@ -2,9 +2,10 @@
 cores, OpenMP teams wait for the thread that shares that core, so 2 threads ran far slower than 1).
 
 For each kernel (encode of 2^24 float32: top-k at k = 1% and 0.1%, fp16, bf16; with and without a
-residual) at 1 and 2 gradcomp threads, the median time of --reps calls after a warm-up, in three
-conditions: idle; one busy process pinned to the last CPU with adaptive threads on (the default);
-the same with adaptive threads off (GRADCOMP_ADAPTIVE_THREADS=0 behaviour, set_adaptive_threads).
+residual) at 1 and 2 gradcomp threads, the median time of --reps calls after a warm-up
+(gradcomp.bench.timing.median_s), in three conditions: idle; one busy process pinned to the last
+CPU with adaptive threads on (the default); the same with adaptive threads off
+(GRADCOMP_ADAPTIVE_THREADS=0 behaviour, set_adaptive_threads).
 Beside each row: the floor (numpy copy of the same bytes, in the same condition) and the baseline
 a torch user would call (torch.topk(x.abs(), k, sorted=False); a cast into a preallocated tensor).
 Usage: python bench/busy_core.py [--reps 9] [--numel 16777216] [--json out.json]
@@ -16,7 +17,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import time
 
 import numpy as np
@@ -24,6 +24,7 @@ import torch
 
 import gradcomp
 from gradcomp import _C
+from gradcomp.bench import timing
 
 
 def _spin(cpu: int, stop) -> None:
@@ -32,16 +33,6 @@ def _spin(cpu: int, stop) -> None:
     while not stop.is_set():
         for _ in range(100000):
             x += 1
-
-
-def timeit(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def run(n: int, reps: int) -> list[dict]:
@@ -68,7 +59,7 @@ def run(n: int, reps: int) -> list[dict]:
             for threads in (1, 2):
                 gradcomp.set_num_threads(threads)
                 torch.set_num_threads(threads)
-                copy_s = timeit(lambda: np.copyto(ycopy, x), reps)
+                copy_s = timing.median_s(lambda: np.copyto(ycopy, x), reps)
                 for label, spec in kernels:
                     c = gradcomp.Codec(spec)
                     out = c.encode(x)
@@ -78,16 +69,16 @@ def run(n: int, reps: int) -> list[dict]:
                             if res:
                                 np.copyto(r, r0)
                             c.encode(x, residual=r if res else None, out=out, workspace=ws)
-                        t = timeit(go, reps)
+                        t = timing.median_s(go, reps)
                         if res:
-                            t -= timeit(lambda: np.copyto(r, r0), reps)  # the reset is not the kernel
+                            t -= timing.median_s(lambda: np.copyto(r, r0), reps)  # the reset is not the kernel
                         if spec.startswith("topk"):
                             k = c.main_param(n)
-                            base = timeit(lambda: torch.topk(xt.abs(), k, sorted=False), max(3, reps // 3))
+                            base = timing.median_s(lambda: torch.topk(xt.abs(), k, sorted=False), max(3, reps // 3))
                             base_name = "torch.topk(x.abs(), k, sorted=False)"
                         else:
                             dst = h16 if spec == "fp16" else b16
-                            base = timeit(lambda: dst.copy_(xt), reps)
+                            base = timing.median_s(lambda: dst.copy_(xt), reps)
                             base_name = f"{'h16' if spec == 'fp16' else 'b16'}.copy_(x)"
                         rows.append({"condition": cond, "threads": threads, "kernel": label, "residual": res,
                                      "ms": 1e3 * t, "copy_ms": 1e3 * copy_s, "baseline": base_name,

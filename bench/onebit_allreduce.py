@@ -13,8 +13,8 @@ both carried from call to call as in training), beside:
 
   baseline  DeepSpeed's algorithm (docs/contracts.md section 6.1) written here in torch +
             numpy, step for step: buf = buffer (+ zero padding) + worker_error; scale =
-            ||buf||_2 / sqrt(Np) (as ``(buf * buf).sum().sqrt()``: DeepSpeed's ``torch.norm`` of
-            float32 is off by up to 8e-5 relative on this CPU at 2^22, see ``_rms``);
+            ||buf||_2 / sqrt(Np) (as ``(buf * buf).sum().sqrt()``: DeepSpeed's float32
+            ``torch.norm`` is off by more than the check's tolerance on this CPU, see ``_rms``);
             worker_error := buf - scale * sign, sign = +1 where ``(torch.sign(x) + 1).bool()``,
             else -1; the bool signs packed with
             ``numpy.packbits`` (bitorder big, first element = MSB) into W chunks of Np / (8 W)
@@ -32,7 +32,8 @@ sums the RMS in binary64). The script exits non-zero if not.
 
 Timing: for each call, the input is restored outside the timed region, then ``dist.barrier()``,
 then one call timed with time.perf_counter on rank 0 (the call ends with collectives, so both
-ranks finish together). Median of --reps calls after 2 warm-up calls. Units: ms per call.
+ranks finish together). Median of --reps calls after 2 warm-up calls
+(``gradcomp.bench.timing.median_s``). Units: ms per call.
 
 Bytes sent per rank per call (wire, not memory):
   gradcomp  ``gradcomp.planner.onebit_allreduce_bytes(Codec("onebit"), Np, W)``: (W-1) (C/8 + 4)
@@ -46,9 +47,9 @@ each, divided by a single-thread copy bandwidth. Per rank: read the buffer and w
 (8 Np), write worker_error (4 Np), read and write server_error (8 C = 8 Np / W), write the output
 (4 Np): 16 Np + 8 Np / W bytes (the packed bits, Np / 8 + C / 8 + W C / 8 bytes, are left out:
 under 3%). The bandwidth: torch's ``dst.copy_(src)`` on a 64 MiB float32 buffer timed in rank
-0's process (median of 9), counted as 2 x 64 MiB moved per copy. The floor is a lower bound for
-the compute alone (communication is not in it); gradcomp ms / floor says how far from memory-bound
-a call is on this machine.
+0's process (median of 9; ``gradcomp.bench.timing.copy_bandwidth``), counted as 2 x 64 MiB moved
+per copy. The floor is a lower bound for the compute alone (communication is not in it); gradcomp
+ms / floor says how far from memory-bound a call is on this machine.
 
 Usage:
   python bench/onebit_allreduce.py [--numel 65536 1048576 4194304] [--reps 101] [--profile]
@@ -59,12 +60,9 @@ rank 0 and print the top entries by total time.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
-import statistics
 import sys
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -77,8 +75,9 @@ import gradcomp  # noqa: E402
 from gradcomp import planner  # noqa: E402
 
 try:
+    from gradcomp.bench import timing  # noqa: E402
     from gradcomp.deepspeed import OnebitBackend  # noqa: E402
-except ImportError as _e:  # an installed gradcomp older than gradcomp.deepspeed
+except ImportError as _e:  # an installed gradcomp older than gradcomp.deepspeed / gradcomp.bench.timing
     raise SystemExit(f"onebit_allreduce: {_e} (gradcomp at {gradcomp.__file__}); rebuild it with "
                      f"`bash tests/setup.sh`, or put a current build first on PYTHONPATH")
 
@@ -99,9 +98,10 @@ def _pm1(bits01: np.ndarray) -> torch.Tensor:
 def _rms(x: torch.Tensor, n: int) -> torch.Tensor:
     """||x||_2 / sqrt(n), the norm as ``(x * x).sum().sqrt()`` (torch's cascade sum: within a few
     float32 ulps of the binary64 norm). DeepSpeed calls ``torch.linalg.norm`` / ``torch.norm``;
-    on this CPU (torch 2.x, 1 thread) that float32 norm is off by 1e-5 relative at 2^20 elements
-    and 8e-5 at 2^22, more than the check's tolerance, so the baseline does not use it (it is
-    about 1 ms faster at 2^22)."""
+    on the CPU that float32 norm was measured off from the binary64 one by more than the check's
+    tolerance of 1e-5 relative at 2^20 and 2^22 elements (the figures, and what the cascade sum
+    costs instead, are in bench/RESULTS.md, section "2026-12-01 — CPU, DeepSpeed's 1-bit
+    compressed allreduce on 2 gloo ranks"), so the baseline does not use it."""
     return x.mul(x).sum().sqrt() / np.sqrt(n)
 
 
@@ -148,32 +148,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _copy_bandwidth() -> float:
-    """Bytes per second of torch's dst.copy_(src) on 64 MiB float32 (read + written), 1 thread."""
-    src = torch.randn(16 << 20)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    ts = []
-    for _ in range(9):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        ts.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(ts)
-
-
 def _timed(call, restore, reps: int) -> float:
     """Median seconds of ``call`` on this rank over ``reps`` calls after 2 warm-ups; ``restore``
     (outside the timing) puts the input back; a barrier before each call."""
-    ts = []
-    for i in range(2 + reps):
+    def before():
         restore()
         dist.barrier()
-        t0 = time.perf_counter()
-        call()
-        t = time.perf_counter() - t0
-        if i >= 2:
-            ts.append(t)
-    return statistics.median(ts)
+
+    return timing.median_s(call, reps, warmup=2, before=before)
 
 
 def _check(rank: int, n: int, Np: int, backend: OnebitBackend, x0: torch.Tensor):
@@ -211,7 +193,7 @@ def _worker(rank: int, port: int, sizes, reps: int, profile: bool) -> None:
     codec = gradcomp.Codec("onebit")
     bw = 0.0
     if rank == 0:
-        bw = _copy_bandwidth()
+        bw = timing.copy_bandwidth()
     dist.barrier()
     rows = []
     failed = ""

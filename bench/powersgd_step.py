@@ -36,9 +36,10 @@ Floor (per rank, memory traffic of the PowerSGD kernels once each, over a measur
 the compressed matrices' M is read by P = M Q, by Q = M^T P and by the fused output pass, which
 also reads and writes the residual and writes the bucket: 4 B x numel x (1 + 1 + 1 + 2 + 1) =
 24 B per compressed element, plus the bucket read when M = g + e is formed (4 + 4 + 4 B: read g
-and e, write M). Bandwidth: torch ``dst.copy_(src)`` of 64 MiB float32 in one worker (median of 9,
-2 x 64 MiB moved per copy). The floor leaves out communication and the small P, Q and
-orthogonalization work, so it is a lower bound for the compute part of "hook ms".
+and e, write M). Bandwidth: torch ``dst.copy_(src)`` of 64 MiB float32 in one worker (median of
+9 after a warm-up, 2 x 64 MiB moved per copy; ``gradcomp.bench.timing.copy_bandwidth``). The floor
+leaves out communication and the small P, Q and orthogonalization work, so it is a lower bound for
+the compute part of "hook ms".
 
 Usage: python bench/powersgd_step.py [--models mlp25m charlm] [--ranks 1 2 4 8] [--world 4] [--steps 7]
                                     [--bucket-cap-mb 256] [--hooks gradcomp pytorch] [--repeats 2]
@@ -48,8 +49,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
-
 
 
 def build(model_name):
@@ -86,6 +85,7 @@ def job(rank, world, model_name, hook, r, steps, bucket_cap_mb):
 
     import gradcomp
     import gradcomp.torch as gt
+    from gradcomp.bench import timing
 
     gradcomp.set_num_threads(1)
     model, batch = build(model_name)
@@ -98,16 +98,18 @@ def job(rank, world, model_name, hook, r, steps, bucket_cap_mb):
                                pt.powerSGD_hook)
     elif hook == "noop":
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
-    times = []
-    for s in range(3 + steps):
-        loss_fn = batch(s, rank)
+    losses = (batch(s, rank) for s in range(3 + steps))  # one batch per step, made outside the timing
+    cur = {}
+
+    def before():  # the step's batch, then every rank starts the step together
+        cur["loss"] = next(losses)
         dist.barrier()
-        t0 = time.perf_counter()
+
+    def step():
         ddp.zero_grad()
-        loss_fn(ddp).backward()
-        dt = time.perf_counter() - t0
-        if s >= 3:
-            times.append(dt)
+        cur["loss"](ddp).backward()
+
+    times = timing.time_calls(step, steps, warmup=3, before=before)
     out = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     nparams = sum(p.numel() for p in model.parameters())
@@ -118,18 +120,11 @@ def job(rank, world, model_name, hook, r, steps, bucket_cap_mb):
 
 
 def bandwidth(rank, world):
-    import torch
+    """Rank 0's copy bandwidth (``gradcomp.bench.timing.copy_bandwidth``: 64 MiB float32, median
+    of 9, bytes read + written per second); None on the other ranks."""
+    from gradcomp.bench import timing
 
-    if rank != 0:
-        return None
-    src = torch.randn(16 << 20)
-    dst = torch.empty_like(src)
-    ts = []
-    for _ in range(9):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        ts.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(ts)
+    return timing.copy_bandwidth() if rank == 0 else None
 
 
 def main(argv=None):

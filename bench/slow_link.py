@@ -22,9 +22,10 @@ buckets, batch 8 of normal inputs, loss ||f(x) - x||^2). The gradient buckets of
 the ones DDP builds (read from the gradcomp hook's ``stats()`` after DDP's bucket rebuild, on the
 calibration setup), so the direct measurement and the DDP step reduce the same buckets.
 
-Codecs: ``none`` (scheme dense: PyTorch's allreduce_hook), ``fp16`` (sum), ``topk:ratio=0.01``
-(gather) and the quantizers registered (``gradcomp.codecs()`` minus linear and sparse ones: fp8,
-int8, int4, onebit; two_phase), all with error feedback except none, every bucket compressed
+Codecs (:func:`codec_list`, from ``gradcomp.codecs()``): ``none`` (scheme dense: PyTorch's
+allreduce_hook), the first other linear codec (``fp16``, sum), the first sparse one
+(``topk:ratio=0.01``, gather) and every codec that is neither (the quantizers fp8, int8, int4,
+onebit; two_phase), all with error feedback except none, every bucket compressed
 (``min_compress_numel=0``, as the experiment harness). The scheme each bucket took is read from
 the compressor's stats and the prediction uses the same one.
 
@@ -40,8 +41,9 @@ Per row (setup x model x codec [x scheme]):
          step outside the timing); per step and rank the compressor's stats split the time into
          ``comm_s`` (collectives, launch to completion), ``encode_s`` and ``decode_s``. Every
          collective begins after a ``dist.barrier()`` (:class:`AlignedProbe`, wrapped around the
-         compressor's probes), so all ranks launch it together: without it, 4 ranks sharing 2 cores finish their encodes up to
-         ~100 ms apart and ``comm_s`` would hold the wait for the last rank (rank mean) or miss
+         compressor's probes), so all ranks launch it together: without it, ranks sharing cores
+         finish their encodes far apart (how far: bench/RESULTS.md, section "2026-12-01 — CPU,
+         issue 12") and ``comm_s`` would hold the wait for the last rank (rank mean) or miss
          the traffic that flowed before it arrived (rank min). The measured comm per step is the
          sum over buckets of the mean over ranks, then the median over --steps steps (after
          --warmup steps); the JSON also has the min and max over ranks. Predicted: the sum over
@@ -59,7 +61,8 @@ Per row (setup x model x codec [x scheme]):
          allreduce or all-gather crosses each direction once (one rank's bytes per direction),
          an all-to-all sends L (W - L) of its W (W - 1) slots across, and hierarchical's cross-
          node step sends every rank's inter-node bytes across. tc counts IP/TCP headers and ACKs
-         (~0.2 % at these MTUs) and gloo's own message headers; the alignment barriers' bytes
+         (their share: bench/RESULTS.md, section "2026-12-01 — CPU, issue 12") and gloo's own
+         message headers; the alignment barriers' bytes
          (measured once per setup over 200 barriers) are taken off.
   ddp    the DDP step (zero_grad, forward, backward with the gradcomp hook, SGD step; a barrier
          before each step; the step's time is the max over ranks; median over steps), beside
@@ -69,10 +72,10 @@ Per row (setup x model x codec [x scheme]):
          DDP overlaps communication with backward and adds its own work.
 
 Time bounds: a row whose predicted time would exceed --row-limit-s (default 60 s) runs fewer
-steps (at least 2 measured, the warm-up dropped first) or is skipped (listed, with the predicted
-step time); rows left when --budget-s (default 1800 s) is spent are skipped (listed). mlp25m at
-100mbit: dense and fp16 predict ~48 s / ~24 s per step on the shared loopback and are skipped by
-this rule; the compressed codecs run.
+steps (at least 2 measured, 1 for a step predicted longer than LONG_STEP_S; the warm-up dropped
+first) or is skipped (listed, with the predicted step time); rows left when --budget-s (default
+1800 s) is spent are skipped (listed). The rows this rule shortened in the recorded run (mlp25m at
+100mbit, dense and fp16) are in bench/RESULTS.md, section "2026-12-01 — CPU, issue 12".
 
 Usage (root):
   python bench/slow_link.py [--quick] [--out results/slow_link] [--setups lo:1gbit,nodes:1gbit]
@@ -150,16 +153,13 @@ def job_alpha(rank, world, reps, numel=1):
     import torch
     import torch.distributed as dist
 
+    from gradcomp.bench import timing
+
     x = torch.ones(numel)
     for _ in range(20):
         dist.all_reduce(x)
     dist.barrier()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        ts.append(time.perf_counter() - t0)
-    return ts
+    return timing.time_calls(lambda: dist.all_reduce(x), reps, warmup=0)
 
 
 def job_ddp(rank, world, model_name, codec, scheme, ef, warmup, steps, local_world_size=0):
@@ -172,6 +172,7 @@ def job_ddp(rank, world, model_name, codec, scheme, ef, warmup, steps, local_wor
 
     import gradcomp
     import gradcomp.torch as gt
+    from gradcomp.bench import timing
 
     gradcomp.set_num_threads(1)
     model, batch = build_model(model_name)
@@ -184,18 +185,19 @@ def job_ddp(rank, world, model_name, codec, scheme, ef, warmup, steps, local_wor
         state = gt.register(ddp, codec=codec, scheme=scheme, error_feedback=ef, min_compress_numel=0, start_iter=0,
                             **kw)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    times = []
-    for s in range(warmup + steps):
-        loss_fn = batch(s, rank)
+    losses = (batch(s, rank) for s in range(warmup + steps))  # one batch per step, made outside the timing
+    cur = {}
+
+    def before():  # the step's batch, then every rank starts the step together
+        cur["loss"] = next(losses)
         dist.barrier()
-        t0 = time.perf_counter()
+
+    def step():
         opt.zero_grad(set_to_none=False)
-        loss_fn(ddp).backward()
+        cur["loss"](ddp).backward()
         opt.step()
-        dt = time.perf_counter() - t0
-        if s >= warmup:
-            times.append(dt)
-    t = torch.tensor(times, dtype=torch.float64)
+
+    t = torch.tensor(timing.time_calls(step, steps, warmup=warmup, before=before), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     out = {"times": t.tolist(), "numel": sum(p.numel() for p in model.parameters())}
     if state is not None:
@@ -316,12 +318,17 @@ def job_release(rank, world):
 # ==============================================================================================
 
 def codec_list(quick):
-    """none, fp16, topk:ratio=0.01 and the registered quantizers (non-linear, non-sparse
-    families: their first example spec)."""
+    """One codec per scheme ``auto`` takes, from the registry (``gradcomp.codecs()``, registry
+    order, each codec's first example spec): ``none`` (dense, the reference), the first other
+    linear codec (sum: fp16), the first sparse one (gather: topk:ratio=0.01), then every codec
+    that is neither (the quantizers, two_phase); --quick keeps int8 of the quantizers."""
     import gradcomp
 
-    base = ["none", "fp16", "topk:ratio=0.01"]
-    quant = [c["examples"][0] for c in gradcomp.codecs()
+    cs = gradcomp.codecs()
+    linear = [c["examples"][0] for c in cs if c["properties"].get("linear") and c["name"] != "none"]
+    sparse = [c["examples"][0] for c in cs if c["properties"].get("sparse")]
+    base = ["none"] + linear[:1] + sparse[:1]
+    quant = [c["examples"][0] for c in cs
              if not c["properties"].get("linear") and not c["properties"].get("sparse")]
     if quick:
         return base + [q for q in quant if q.startswith("int8")][:1]

@@ -22,10 +22,12 @@ from gradcomp.bench.__main__ import main  # noqa: E402
 SIZES = (12, 14)
 DTYPES = ("float32", "bfloat16")
 ELEM = {"float32": 4, "bfloat16": 2}  # bytes per input element
-EF_NAMES = {"fp8", "int8", "onebit", "topk"}
-# names with a torch sequence written in gradcomp.bench.baselines (and their default specs)
-KNOWN = {"none", "fp16", "bf16", "topk", "fp8", "int8", "int4", "onebit", "randomk", "qsgd", "dgc"}
-# deterministic codecs whose baseline must reproduce the packet's information
+EF_NAMES = set(baselines.EF_CODECS)  # the codecs gradcomp-bench runs with error feedback too
+# names with a torch sequence written in gradcomp.bench.baselines (test_baselines_cover_the_registry:
+# every registered codec)
+KNOWN = set(baselines.CODECS)
+# deterministic codecs whose baseline must reproduce the packet's information (at least one spec
+# of every deterministic registered codec: test_exact_covers_every_deterministic_codec)
 EXACT = ["none", "fp16", "bf16", "topk:ratio=0.01", "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "fp8:block=0",
          "int8", "int8:block=0", "int4", "int4:block=0", "onebit", "onebit:scale=mean_abs", "onebit:chunk=256"]
 
@@ -332,3 +334,45 @@ def test_impossible_figures_are_flagged_not_reported(monkeypatch, tmp_path, caps
     assert table["flagged"] == table["measurements"] > 0
     assert "int8 encode" in out and "  !" in out and "! not a result: int8 encode: noisy encode" in out
     assert f"! {table['flagged']} of {table['measurements']} measurements are flagged" in out
+
+
+# -- issue 21: the hand-written per-codec lists of gradcomp.bench against the registry -------------
+def _registry_names():
+    return [c["name"] for c in gradcomp.codecs()]
+
+
+def test_baselines_cover_the_registry():
+    """A torch sequence is written per codec (gradcomp.bench.baselines._BUILDERS): one for every
+    registered codec, none for a name the registry does not have."""
+    names = _registry_names()
+    missing = [n for n in names if n not in baselines.CODECS]
+    extra = [n for n in baselines.CODECS if n not in names]
+    assert not missing, f"registered codecs without a torch sequence in gradcomp.bench.baselines: {missing}"
+    assert not extra, f"gradcomp.bench.baselines writes sequences for codecs the registry does not have: {extra}"
+    assert list(baselines.CODECS) == names  # registry order
+    for c in gradcomp.codecs():  # every default spec gets a sequence at a size every codec divides
+        spec = next(s for s in bench.default_specs() if s.split(":")[0] == c["name"])
+        assert baselines.make(gradcomp.Codec(spec), torch.zeros(1 << 12)) is not None, spec
+
+
+def test_ef_codecs_are_registered_and_lossy():
+    names = _registry_names()
+    for n in baselines.EF_CODECS:
+        assert n in names, f"gradcomp.bench.baselines.EF_CODECS names {n!r}, which the registry does not have"
+        props = next(c for c in gradcomp.codecs() if c["name"] == n)["properties"]
+        assert not props["linear"], f"{n} is linear: error feedback leaves its residual (almost) zero"
+
+
+def test_exact_covers_every_deterministic_codec():
+    deterministic = {c["name"] for c in gradcomp.codecs() if c["properties"]["deterministic"]}
+    assert deterministic <= {s.split(":")[0] for s in EXACT}, deterministic - {s.split(":")[0] for s in EXACT}
+    for s in EXACT:
+        assert gradcomp.Codec(s).properties["deterministic"], s
+
+
+def test_keyed_cast_has_no_sequence():
+    for c in gradcomp.codecs():
+        for ex in c["examples"]:
+            codec = gradcomp.Codec(ex)
+            if codec.properties["keyed"] and baselines._BUILDERS[c["name"]] is baselines._cast:
+                assert baselines.make(codec, torch.zeros(1 << 12)) is None, ex

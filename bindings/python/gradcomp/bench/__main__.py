@@ -4,9 +4,9 @@ For each size (``--sizes``, log2 element counts; default 2^20..2^26 on the CPU, 
 CUDA), input dtype (``--dtypes``, default float32 and bfloat16) and codec spec (``--codecs``,
 default every registered codec's default spec plus ``topk:ratio=0.01``): gradcomp's encode and
 decode, the torch sequence a user would write for the same packet (:mod:`gradcomp.bench.baselines`)
-and, once per (size, dtype), a torch copy of the same input: the floor. For fp8, int8, onebit and
-topk also the encode with error feedback (a float32 residual read and updated), beside the same
-step written in torch.
+and, once per (size, dtype), a torch copy of the same input: the floor. For the codecs users run
+with error feedback (:data:`gradcomp.bench.baselines.EF_CODECS`) also the encode with error
+feedback (a float32 residual read and updated), beside the same step written in torch.
 
 Printed, per (size, dtype), one line per measurement with the columns
 ``kernel, ms, spread, GB/s, of copy, baseline, ms, spread, speedup``: ms the median time; spread
@@ -26,12 +26,13 @@ GB/s against size, one line per codec, the copy as a dashed line; matplotlib) an
 Timing: per input and codec, its kernels, its torch baselines and the copy run in ``--reps``
 interleaved rounds (one call of each per round, the order rotated, after one warm-up call of each),
 so a burst of load hits them alike; CPU time.perf_counter, CUDA torch.cuda event pairs on the
-current stream; medians reported with their spread. The copy floor is the fastest copy of all the
-rounds of that input: the best the machine did (at sizes that fit in the last-level cache, as
---quick's on a CPU, that is a copy from cache). ``--threads``
-sets both gradcomp's and torch's CPU thread counts (default gradcomp's: GRADCOMP_NUM_THREADS or the
-OpenMP default). ``--quick``: sizes 2^20 and 2^22, 3 reps (explicit ``--sizes`` / ``--reps`` win);
-6-16 s on the 2-core development machine.
+current stream (:func:`gradcomp.bench.timing.clock`, the clock of every benchmark); medians
+reported with their spread. The copy floor is the fastest copy of all the rounds of that input:
+the best the machine did (at sizes that fit in the last-level cache, as --quick's on a CPU, that
+is a copy from cache). ``--threads`` sets both gradcomp's and torch's CPU thread counts (default
+gradcomp's: GRADCOMP_NUM_THREADS or the OpenMP default). ``--quick``: sizes 2^20 and 2^22, 3 reps
+(explicit ``--sizes`` / ``--reps`` win); how long it takes is in bench/RESULTS.md, section
+"gradcomp-bench --quick: run time".
 
 Exit status 0; 2 on bad arguments (argparse), including ``--device cuda`` where torch sees no
 GPU or gradcomp was built without CUDA.

@@ -20,16 +20,13 @@ sequences ``bench/side_by_side.py`` timed, one per registered codec:
   packed MSB first: ``numpy.packbits`` on the CPU without a residual (what a CPU user calls), else
   DeepSpeed's worker step as torch ops (bool -> uint8 times bit weights, summed per byte, ``r = x' -
   sign * s``); decode ``numpy.unpackbits`` + ``torch.where`` on the CPU, bit masks on CUDA.
-- ``randomk``: one ``torch.randint`` offset per stratum of ceil(n / k), ``x[idx]``; decode
-  regenerates the indices from the same seed and scatters.
-- ``qsgd``: per-block L2 norm, ``floor(|x| / norm * s + u)`` with the sign, decode ``code * norm / s``.
-- ``dgc``: a threshold from ``torch.topk`` of a 1 % random sample of |x|, ``nonzero`` of
-  ``|x| >= thr`` (capped at the codec's capacity), ``x[idx]``.
 
 The sequences compute the same packet content as the codec for the deterministic codecs (checked in
 tests/python/test_bench_cli.py: bitwise for the casts, block quantizers and float32 top-k; the
-onebit scale within a few float32 ulps, since torch's norm sums in another order); the keyed ones draw
-other random numbers. A codec (or a spec of one) for which no sequence is written gets ``None``.
+onebit scale within a few float32 ulps, since torch's norm sums in another order). A codec (or a
+spec of one) for which no sequence is written gets ``None``: so does a keyed spec of a cast
+(``bf16:rounding=stochastic``: no torch sequence is written for stochastic rounding).
+:data:`CODECS` names the codecs with a sequence: every registered one.
 """
 
 from __future__ import annotations
@@ -47,7 +44,8 @@ F32 = torch.float32
 
 EF_CODECS = ("fp8", "int8", "onebit", "topk")
 """Codec names whose users run them with error feedback: gradcomp-bench adds encode-with-residual
-rows for these."""
+rows for these (a choice written by hand: tests/python/test_bench_cli.py checks that each is a
+registered codec that is not linear, for which a residual means something)."""
 
 _QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0, "int4": 7.0}
 
@@ -117,7 +115,7 @@ def _cast(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
     n = x.numel()
     sec = codec.layout(n, x.dtype)["sections"]
     wire = _wire(sec[0][3]) if sec else None
-    if wire is None or residual is not None:
+    if wire is None or residual is not None or codec.properties["keyed"]:
         return None
     buf = torch.empty(n, dtype=wire, device=x.device)
     out = torch.empty_like(x)
@@ -302,104 +300,16 @@ def _onebit(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
     return Baseline(f"{norm}, x >= 0, packbits, r=x'-D", enc_ef, torch_dec, out, tdec)
 
 
-def _randomk(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
-    n, dev = x.numel(), x.device
-    k = codec.main_param(n)
-    if n == 0 or k <= 0 or residual is not None:
-        return None
-    stride = -(-n // k)
-    unbiased = spec_keys(codec.spec).get("unbiased", "false").lower() in ("true", "1")
-    base = torch.arange(k, device=dev) * stride
-    off = torch.empty(k, dtype=torch.long, device=dev)
-    idx = torch.empty(k, dtype=torch.long, device=dev)
-    vals = torch.empty(k, dtype=x.dtype, device=dev)
-    out = torch.empty_like(x)
-    gen = torch.Generator(device=dev)
-
-    def draw():
-        gen.manual_seed(0)
-        torch.randint(0, stride, (k,), generator=gen, out=off)
-        torch.add(base, off, out=idx).clamp_(max=n - 1)
-
-    def enc():
-        draw()
-        torch.index_select(x, 0, idx, out=vals)
-        if unbiased:
-            vals.mul_(stride)
-
-    def dec():
-        draw()
-        out.zero_()
-        out.index_copy_(0, idx, vals)
-
-    return Baseline("randint per stratum, x[idx]", enc, dec, out, "randint again, index_copy_")
-
-
-def _qsgd(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
-    n, dev = x.numel(), x.device
-    keys = spec_keys(codec.spec)
-    lay = codec.layout(n, x.dtype)
-    norms = [s for s in lay["sections"] if s[3] == "float32"]
-    if "levels" not in keys or not norms or n == 0 or residual is not None:
-        return None
-    levels = int(keys["levels"])
-    B = -(-n // max(1, norms[-1][2]))
-    if n % B or levels < 1:
-        return None
-    src = _source(x, None)
-    nm = torch.empty(n // B, dtype=F32, device=dev)
-    y = torch.empty(n, dtype=F32, device=dev)
-    u = torch.empty(n, dtype=F32, device=dev)
-    code = torch.empty(n, dtype=torch.int8 if levels <= 127 else torch.int16, device=dev)
-    dd = torch.empty(n, dtype=F32, device=dev)
-    out = torch.empty_like(x)
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def enc():
-        s = src()
-        torch.linalg.vector_norm(s.view(-1, B), dim=1, out=nm)
-        torch.div(torch.abs(s, out=y).view(-1, B), nm[:, None], out=y.view(-1, B))
-        y.mul_(levels).add_(u.uniform_(generator=gen)).floor_().mul_(torch.sign(s))
-        code.copy_(y)
-
-    def dec():
-        dd.copy_(code)
-        torch.mul(dd.view(-1, B), (nm / levels)[:, None], out=out.view(-1, B))
-
-    return Baseline("norm, floor(|x|/norm*s + u), sign", enc, dec, out, "code.float() * norm/s")
-
-
-def _dgc(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
-    n, dev = x.numel(), x.device
-    cap = codec.main_param(n)
-    if n == 0 or cap <= 0 or residual is not None:
-        return None
-    ratio = float(spec_keys(codec.spec).get("ratio", cap / n))
-    m = max(1, n // 100)
-    ks = max(1, min(m, math.ceil(ratio * m)))
-    sidx = torch.empty(m, dtype=torch.long, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    out = torch.empty_like(x)
-    state = {}
-
-    def enc():
-        torch.randint(0, n, (m,), generator=gen, out=sidx)
-        thr = torch.topk(x[sidx].abs(), ks, sorted=False).values.min()
-        idx = torch.nonzero(x.abs() >= thr).squeeze(1)[:cap]
-        state["idx"], state["v"] = idx, x[idx]
-
-    def dec():
-        out.zero_()
-        out.index_copy_(0, state["idx"], state["v"])
-
-    return Baseline("sampled topk threshold, nonzero, x[idx]", enc, dec, out, "zero_(), index_copy_(idx, v)")
-
-
 _BUILDERS = {
     "none": _cast, "fp16": _cast, "bf16": _cast, "topk": _topk,
     "fp8": _blockq, "int8": _blockq, "int4": _blockq, "onebit": _onebit,
-    "randomk": _randomk, "qsgd": _qsgd, "dgc": _dgc,
 }
+"""The sequence builder of each codec name: written by hand, one per registered codec
+(tests/python/test_bench_cli.py fails when ``gradcomp.codecs()`` has a name this table lacks, or
+this table names one the registry does not have)."""
+
+CODECS = tuple(_BUILDERS)
+"""The codec names with a torch sequence here (the registry's, in registry order)."""
 
 
 def make(codec: Codec, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Optional[Baseline]:

@@ -5,13 +5,14 @@ the ``gradcomp-bench/1`` table (see :mod:`gradcomp.bench`).
 Timing: per input (size, dtype) and codec, the codec's encode and decode (and its encode with
 error feedback), the torch baselines of each and a torch copy of the same input run in ``reps``
 interleaved rounds (one call of each per round, the order rotated each round, after one warm-up
-call of each): CPU ``time.perf_counter``, CUDA two ``torch.cuda.Event`` records on the current
-stream. A row reports each measurement's median and its spread ``[min, median, max]``; the copy
-floor is the fastest copy of every round of that input. A row whose rounds spread more than
-:data:`SPREAD_LIMIT` or whose kernel beats the floor by :data:`FLOOR_LIMIT` carries ``flags``, is
-marked ``!`` in the table and named under it: not a result (a busy machine). Inputs: normal(0, 1)
-float32 drawn from a fixed seed, cast to the dtype; residuals normal(0, 0.01) float32. Every output (packets, decoded
-tensors, the baselines' buffers) is allocated before timing.
+call of each), each call timed by :func:`gradcomp.bench.timing.clock` (CPU ``time.perf_counter``,
+CUDA two ``torch.cuda.Event`` records on the current stream). A row reports each measurement's
+median and its spread ``[min, median, max]``; the copy floor is the fastest copy of every round of
+that input. A row whose rounds spread more than :data:`SPREAD_LIMIT` or whose kernel beats the
+floor by :data:`FLOOR_LIMIT` carries ``flags``, is marked ``!`` in the table and named under it:
+not a result (a busy machine). Inputs: normal(0, 1) float32 drawn from a fixed seed, cast to the
+dtype; residuals normal(0, 0.01) float32. Every output (packets, decoded tensors, the baselines'
+buffers) is allocated before timing.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import datetime
 import platform
 import statistics
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -27,6 +27,8 @@ import torch
 from .. import _C
 from ..codec import Codec, aligned_empty, build_info
 from . import FORMAT, DTYPES, baselines, decode_bytes, default_specs, encode_bytes, validate
+from .timing import clock
+
 
 def header(width: int = 34) -> str:
     """The table's column line: kernel (``width`` characters), ms, spread, GB/s, of copy, baseline,
@@ -69,25 +71,6 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _clock(device: str) -> Callable[[Callable[[], object]], float]:
-    """A function fn -> the seconds of one call of fn (CPU: time.perf_counter; CUDA: an event
-    pair on the current stream, synchronized)."""
-    if device == "cuda":
-        def t(fn):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-    else:
-        def t(fn):
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-    return t
-
-
 SPREAD_LIMIT = 2.0
 """A measurement whose slowest round took more than this times its fastest is flagged ``noisy``:
 the machine was busy (another process, a scheduler time slice), and its median is not a result."""
@@ -102,7 +85,7 @@ def _rounds(device: str, items: Dict[str, Callable[[], object]], reps: int) -> D
     """Time every callable of ``items`` once per round, ``reps`` rounds, the order rotated by one
     each round (so no measurement always runs right after the same other), after one warm-up
     call of each. Returns the seconds of every round per name."""
-    clock = _clock(device)
+    t = clock(device)
     names = list(items)
     for n in names:
         items[n]()
@@ -111,7 +94,7 @@ def _rounds(device: str, items: Dict[str, Callable[[], object]], reps: int) -> D
     out: Dict[str, List[float]] = {n: [] for n in names}
     for k in range(reps):
         for n in names[k % len(names):] + names[: k % len(names)]:
-            out[n].append(clock(items[n]))
+            out[n].append(t(items[n]))
     return out
 
 

@@ -20,7 +20,7 @@ Submodules (the names of bytes, choice, cost, step and figures are re-exported h
   - :mod:`gradcomp.planner.choice`: the ``auto`` choice (``choose_scheme``, ``bytes_choice``,
     ``hierarchical_inner``) and ``choice_report``;
   - :mod:`gradcomp.planner.cost`: link rates and levels, alpha-beta collective times, kernel
-    times (``Throughput``) and ``CostModel``;
+    times (``Throughput``, ``kernel_efficiency``) and ``CostModel``;
   - :mod:`gradcomp.planner.table`: the reader of ``gradcomp-bench`` JSON tables, the measured
     kernel speeds ``Throughput`` takes (:mod:`gradcomp.bench`, which writes them, re-exports it);
   - :mod:`gradcomp.planner.step`: ``parameter_list``, ``ddp_buckets``, ``plan_step``;
@@ -78,8 +78,8 @@ from .bytes import (  # noqa: F401
     summarize, two_phase_slots,
 )
 from .cost import (  # noqa: F401
-    _DEFAULT_EFFICIENCY, _EFFICIENCY, _RATE_UNITS, COLLECTIVES, DEVICE_BYTES_PER_S, LINK_LEVELS, CostModel, Link,
-    Throughput, _kernel_time, collective_time, parse_rate,
+    _DEFAULT_EFFICIENCY, _RATE_UNITS, _SPARSE_EFFICIENCY, COLLECTIVES, DEVICE_BYTES_PER_S, LINK_LEVELS, CostModel,
+    Link, Throughput, _kernel_time, collective_time, kernel_efficiency, parse_rate,
 )
 from .choice import bytes_choice, choice_report, choose_scheme, hierarchical_inner  # noqa: F401
 from .step import ddp_buckets, parameter_list, plan_step  # noqa: F401
@@ -105,7 +105,7 @@ __all__ = [
     "choose_scheme", "bytes_choice", "hierarchical_inner", "choice_report",
     # cost
     "COLLECTIVES", "parse_rate", "Link", "LINK_LEVELS", "collective_time", "DEVICE_BYTES_PER_S", "Throughput",
-    "CostModel",
+    "CostModel", "kernel_efficiency",
     # step, figures
     "parameter_list", "ddp_buckets", "plan_step", "published_figures",
 ]

@@ -136,15 +136,25 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: floa
 
 
 # Achievable memory bandwidth (bytes/s) of named devices, for kernel times without a bench table:
-# H200 4.3 TB/s copy measured on the lent machine (4.8 spec), H100 SXM 3.35 TB/s spec at the
-# same 90%, A100 80 GB 2.04 TB/s at 90%, and this project's 2-core CPU machine (copy ~10 GB/s).
+# about 90 % of each GPU's specified HBM bandwidth, and a copy bandwidth of this project's 2-core
+# CPU machine. Where each figure comes from (none of the GPU ones is a measurement of this
+# project's): bench/RESULTS.md, section "The planner's default device bandwidths".
 DEVICE_BYTES_PER_S = {"H200": 4.3e12, "H100": 3.0e12, "A100": 1.8e12, "cpu": 10e9}
 
 # Fraction of that bandwidth a codec's encode / decode reaches on its compulsory bytes, without a
-# measured table: block casts and quantizers 85% (torchao's MXFP8 cast: 90% on B200, pytorch/ao PR 4931),
-# top-k 25% (the best published radix select, CUB on H100, is ~4 reads).
-_EFFICIENCY = {"topk": 0.25, "randomk": 0.5, "dgc": 0.25}
+# measured table, from the codec's properties (no per-codec table to keep beside the registry): a
+# sparse codec (it selects elements: top-k) 25 % (the best published radix select, CUB on H100,
+# is ~4 reads); every other (casts, block quantizers, onebit) 85 % (torchao's MXFP8 cast: 90 % on
+# B200, pytorch/ao PR 4931).
+_SPARSE_EFFICIENCY = 0.25
 _DEFAULT_EFFICIENCY = 0.85
+
+
+def kernel_efficiency(codec) -> float:
+    """The fraction of a device's memory bandwidth :class:`Throughput` assumes ``codec``'s encode
+    reaches without a measured table: 0.25 when ``codec.properties["sparse"]`` (a selection),
+    else 0.85. Decodes are assumed at 0.85 whatever the codec (a scatter or a dense pass)."""
+    return _SPARSE_EFFICIENCY if codec.properties.get("sparse", False) else _DEFAULT_EFFICIENCY
 
 
 class Throughput:
@@ -153,8 +163,8 @@ class Throughput:
     elements) or, without one (or for a codec / dtype the table lacks), from a memory bandwidth
     (the table's measured ``copy_bytes_per_s``, else ``device``'s entry of
     :data:`DEVICE_BYTES_PER_S`): compulsory bytes (:func:`gradcomp.planner.encode_traffic_bytes`,
-    :func:`gradcomp.planner.decode_traffic_bytes`) over the bandwidth times the codec family's
-    efficiency.
+    :func:`gradcomp.planner.decode_traffic_bytes`) over the bandwidth times the efficiency
+    :func:`kernel_efficiency` derives from the codec's properties.
 
     Raises:
         ValueError: an unknown device name.
@@ -184,7 +194,7 @@ class Throughput:
         if r is not None:
             return n / r[0]
         b = encode_traffic_bytes(n, dtype, codec.packet_bytes(n, dtype), error_feedback)
-        return b / (self._bandwidth() * _EFFICIENCY.get(codec.spec.split(':')[0], _DEFAULT_EFFICIENCY))
+        return b / (self._bandwidth() * kernel_efficiency(codec))
 
     def decode_s(self, codec, numel: int, dtype: Any) -> float:
         """Seconds to decode one packet of ``numel`` elements into ``dtype``."""

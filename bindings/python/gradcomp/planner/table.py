@@ -25,7 +25,7 @@ medians over the repetitions)::
                "baseline": str, "baseline_encode_s": float | None, "baseline_decode_s": float | None}]}
 
 ``rows`` hold one row per (numel, dtype, codec) without error feedback and, for the codecs users
-run with it (fp8, int8, onebit, topk), one with it (encode with a float32 residual). A row with
+run with it (``gradcomp.bench.baselines.EF_CODECS``), one with it (encode with a float32 residual). A row with
 error feedback has the decode times of the row without (the decode is the same operation).
 ``baseline_*_s`` is None where no torch sequence is written for a codec. The keys ``copies``,
 ``decode_bytes`` and the rows' ``copy_bytes_per_s`` are extras: :func:`load` does not require them;
@@ -89,6 +89,16 @@ def _tname(t: Any) -> str:
     return t if isinstance(t, str) else {str: "string", int: "integer", bool: "boolean", list: "list"}[t]
 
 
+def _check_keys(obj: Dict[str, Any], keys: Dict[str, Any], where: str) -> None:
+    """Raise ValueError naming ``where`` and the first key of ``keys`` that ``obj`` lacks or holds
+    with another JSON type."""
+    for k, t in keys.items():
+        if k not in obj:
+            raise ValueError(f"{where}: missing key {k!r}")
+        if not _type_ok(obj[k], t):
+            raise ValueError(f"{where}: key {k!r} = {obj[k]!r} is not a {_tname(t)}")
+
+
 def validate(table: Any, where: str = "table") -> Dict[str, Any]:
     """Check that ``table`` is a ``gradcomp-bench/1`` dict (the keys and types of the module
     docstring; rows with positive times and numel, a dtype of :data:`DTYPES`); returns it.
@@ -103,21 +113,13 @@ def validate(table: Any, where: str = "table") -> Dict[str, Any]:
         raise ValueError(f"{where}: missing key 'format' (expected {FORMAT!r}; not a gradcomp-bench file?)")
     if table["format"] != FORMAT:
         raise ValueError(f"{where}: format {table['format']!r} is not supported; accepted: {FORMAT!r}")
-    for k, t in TOP_KEYS.items():
-        if k not in table:
-            raise ValueError(f"{where}: missing key {k!r}")
-        if not _type_ok(table[k], t):
-            raise ValueError(f"{where}: key {k!r} = {table[k]!r} is not a {_tname(t)}")
+    _check_keys(table, TOP_KEYS, where)
     if table["device"] not in ("cpu", "cuda"):
         raise ValueError(f"{where}: device {table['device']!r}; accepted: 'cpu', 'cuda'")
     for i, r in enumerate(table["rows"]):
         if not isinstance(r, dict):
             raise ValueError(f"{where}: rows[{i}] is a {type(r).__name__}, expected an object")
-        for k, t in ROW_KEYS.items():
-            if k not in r:
-                raise ValueError(f"{where}: rows[{i}]: missing key {k!r}")
-            if not _type_ok(r[k], t):
-                raise ValueError(f"{where}: rows[{i}]: key {k!r} = {r[k]!r} is not a {_tname(t)}")
+        _check_keys(r, ROW_KEYS, f"{where}: rows[{i}]")
         if r["dtype"] not in DTYPES:
             raise ValueError(f"{where}: rows[{i}]: dtype {r['dtype']!r}; accepted: {', '.join(DTYPES)}")
         for k in ("numel", "encode_s", "decode_s"):

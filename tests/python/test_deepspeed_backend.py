@@ -12,6 +12,7 @@ magnitudes involved (stated tolerances)."""
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -117,6 +118,87 @@ def test_golden_example():
     for rank_out in outs:
         assert rank_out[0] == pytest.approx(call1, abs=1e-6)
         assert rank_out[1] == pytest.approx(call2, abs=1e-6)
+
+
+F32 = np.float32
+
+
+def np_scale(x):
+    """gradcomp's scale of a float32 vector (docs/contracts.md section 6.1): the RMS, its sum of
+    squares exactly rounded in binary64 (math.fsum), divided and rooted in binary64, rounded once
+    to float32."""
+    return F32(math.sqrt(math.fsum((x.astype(np.float64) ** 2).tolist()) / x.size))
+
+
+def np_compressed_allreduce(bufs, werrs, serrs):
+    """DeepSpeed's compressed_allreduce on all W ranks at once in plain numpy (float32 arrays, one
+    per rank; the error buffers are updated in place), step by step as docs/contracts.md section
+    6.1 states it: pad, add the worker error, scale and worker error, the sign bits packed MSB
+    first (numpy.packbits) and cut into W byte chunks, the all-to-all (a transposition of the
+    lists), the server sum in rank order from +0.0 of s * fl(scale_j * fl(1 / W)), the server
+    error, the all-gather. Returns the result of each rank (all equal)."""
+    W = len(bufs)
+    Np = werrs[0].size
+    C = Np // W
+    inv_w = F32(1.0) / F32(W)  # fl(1 / W)
+    sent = []  # rank i: ([W byte chunks], scale)
+    for i in range(W):
+        b = np.zeros(Np, F32)
+        b[: bufs[i].size] = bufs[i].reshape(-1)
+        b = b + werrs[i]
+        s = np_scale(b)
+        plus = ~(b < 0)  # s(x) = +1 for x >= 0, +-0.0 and NaN
+        werrs[i][:] = b - np.where(plus, s, -s)
+        packed = np.packbits(plus)
+        sent.append(([packed[j * C // 8: (j + 1) * C // 8] for j in range(W)], s))
+    server = []  # rank r: (packed bits of its chunk, server scale)
+    for r in range(W):
+        comp = np.zeros(C, F32)
+        for j in range(W):
+            chunk_bits, s_j = sent[j][0][r], sent[j][1]
+            term = F32(s_j * inv_w)
+            comp = comp + np.where(np.unpackbits(chunk_bits).astype(bool), term, -term)
+        comp = comp + serrs[r]
+        ss = np_scale(comp)
+        plus = ~(comp < 0)
+        serrs[r][:] = comp - np.where(plus, ss, -ss)
+        server.append((np.packbits(plus), ss))
+    out = np.concatenate([np.where(np.unpackbits(bits_j).astype(bool), s_j, -s_j) for bits_j, s_j in server])
+    return [out[: b.size].reshape(b.shape) for b in bufs]
+
+
+def job_against_numpy(rank, world, sizes, calls):
+    """gradcomp.schemes.onebit_allreduce.OnebitAllreduce (the algorithm under OnebitBackend)
+    against np_compressed_allreduce: results and both error buffers bitwise, call after call."""
+    from gradcomp.schemes.onebit_allreduce import OnebitAllreduce
+
+    allreduce = OnebitAllreduce()
+    div = 8 * world // math.gcd(8, world)
+    for n in sizes:
+        Np = ((n + world * div - 1) // (world * div)) * (world * div)
+        werr, serr = torch.zeros(Np), torch.zeros(Np // world)
+        ref_w = [np.zeros(Np, F32) for _ in range(world)]
+        ref_s = [np.zeros(Np // world, F32) for _ in range(world)]
+        for call in range(calls):
+            rng = np.random.default_rng([n, call])
+            xs = [rng.standard_normal(n).astype(F32) for _ in range(world)]
+            for x in xs:  # signed zeros and exact zeros: +1 signs
+                x[:: 7] = -0.0
+                x[3:: 11] = 0.0
+            want = np_compressed_allreduce([x.copy() for x in xs], ref_w, ref_s)[rank]
+            x = torch.from_numpy(xs[rank].copy())
+            got = allreduce(x, werr, serr).numpy()
+            for a, b, what in ((got, want, "result"), (werr.numpy(), ref_w[rank], "worker error"),
+                               (serr.numpy(), ref_s[rank], "server error")):
+                bad = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+                assert bad.size == 0, f"n={n}, call {call}: {what} differs at {bad[:4]}: {a[bad[:4]]} vs {b[bad[:4]]}"
+    return True
+
+
+def test_onebit_allreduce_equals_a_numpy_simulation():
+    """Bitwise (results, worker and server errors) over 3 calls on 2 gloo ranks; n = 13 and 1000
+    (padded), 16 (in place) and 5003 (more than one 4096-element reduction tile)."""
+    assert run(2, job_against_numpy, [13, 16, 1000, 5003], 3) == [True, True]
 
 
 def job_edges(rank, world):

@@ -47,6 +47,7 @@ import operator
 from typing import Any, Optional, Sequence
 
 from . import _C
+from .codec import _dtype_name as dtype_name
 from .codec import _stream_of, check_tensor
 
 __all__ = ["project", "back_project", "orthogonalize", "reconstruct", "random_normal"]
@@ -72,7 +73,7 @@ def _tensor(t: Any, what: str, fn: str, ndim: Optional[int] = None, dtypes: Opti
     if not _is_tensor(t):
         raise TypeError(f"gradcomp.lowrank.{fn}: {what} must be a torch.Tensor, got {type(t).__name__}")
     check_tensor(t, f"{fn}: {what}")
-    name = str(t.dtype).replace("torch.", "")
+    name = dtype_name(t.dtype)
     if dtypes is not None and name not in dtypes:
         raise _C.InvalidArgumentError(
             f"gradcomp.lowrank.{fn}: {what} has dtype {name}; accepted: {', '.join(dtypes)}"

@@ -11,7 +11,8 @@ loops, DDP and current DeepSpeed.
 OnebitAdam and OnebitLamb start with DeepSpeed's initialisation step (no update), then a dense warm-up until the step
 count reaches ``freeze_step``, then the compression stage: gradients stay local and the momentum
 is averaged with DeepSpeed's error-compensated 1-bit compressed allreduce (worker and server
-errors, :class:`gradcomp.deepspeed.OnebitBackend`, gradcomp's ``onebit`` codec), 1 bit per
+errors, :class:`gradcomp.schemes.onebit_allreduce.OnebitAllreduce`, the algorithm of
+:class:`gradcomp.deepspeed.OnebitBackend`, gradcomp's ``onebit`` codec), 1 bit per
 element plus one float32 scale per rank and chunk on the wire.
 
 Three ways to run them:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .. import planner
 from ..errors import CollectiveError, in_context
 from ..schemes.context import collective_failed
+from ..schemes.onebit_allreduce import OnebitAllreduce
 
 
 class OnebitOptimizer(torch.optim.Optimizer):
@@ -157,12 +158,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
     # -- communication -------------------------------------------------------------------------
     @property
     def backend(self):
-        """The :class:`gradcomp.deepspeed.OnebitBackend` this optimizer compresses through
-        (created on first use; None for world size 1)."""
+        """The :class:`gradcomp.schemes.onebit_allreduce.OnebitAllreduce` (DeepSpeed's
+        compressed_allreduce, the algorithm of :class:`gradcomp.deepspeed.OnebitBackend`) this
+        optimizer compresses through (created on first use; None for world size 1)."""
         if self._backend is None and self.size > 1:
-            from ..deepspeed.backend import OnebitBackend
-
-            self._backend = OnebitBackend(group=self.group)
+            self._backend = OnebitAllreduce(group=self.group)
         return self._backend
 
     def padded_numel(self, numel: int) -> int:
@@ -172,7 +172,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def _compressed_allreduce(self, buf: torch.Tensor, worker_error: torch.Tensor,
                               server_error: torch.Tensor) -> torch.Tensor:
-        out = self.backend.compressed_allreduce(buf, worker_error, server_error, None)
+        out = self.backend(buf, worker_error, server_error)
         Np = worker_error.numel()
         self._stats["compressed_sent_bytes"] += planner.onebit_allreduce_bytes(self.backend.codec, Np, self.size)
         self._stats["packet_bytes"] += int(self.backend.codec.packet_bytes(Np))

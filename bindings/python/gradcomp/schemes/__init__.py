@@ -30,6 +30,14 @@ never see the state of the hook or compressor that calls them.
 
 The primitives of the byte formulas (ring formulas, chunking) live in :mod:`gradcomp.planner`;
 each scheme composes them in its own ``steps``, which the planner reads from the table.
+
+Also here, outside the table: :mod:`~gradcomp.schemes.collectives` (the failure-safe all-gather
+that two_phase and hierarchical end with), :func:`~gradcomp.schemes.allreduce.sum_allreduce` (the
+one SUM allreduce of ``dense`` and of PowerSGD's two rounds) and
+:mod:`~gradcomp.schemes.onebit_allreduce` (DeepSpeed's 1-bit ``compressed_allreduce``, exactly:
+one scale over the padded buffer, server terms through the decode's alpha, blocking; what
+:mod:`gradcomp.deepspeed` and :mod:`gradcomp.optim` call; not a ``Compressor`` scheme, its
+docstring says why).
 """
 
 from .allgather import GatherContext, gather
@@ -38,6 +46,7 @@ from .base import Scheme
 from .context import NullProbe, SchemeContext
 from .groups import HierarchicalGroups, engine_of, hierarchical_groups_for
 from .hierarchical import HierarchicalContext, hierarchical
+from .onebit_allreduce import OnebitAllreduce
 from .rs_ag import rs_ag
 from .table import TABLE
 from .two_phase import TwoPhaseContext, all_gather_phase, reduce_scatter_phase, two_phase
@@ -45,6 +54,6 @@ from .two_phase import TwoPhaseContext, all_gather_phase, reduce_scatter_phase, 
 SCHEMES = {s.name: s.run for s in TABLE}
 """Scheme name -> run function, in table order (from :data:`TABLE`)."""
 
-__all__ = ["SCHEMES", "TABLE", "GatherContext", "HierarchicalContext", "HierarchicalGroups", "NullProbe", "Scheme",
+__all__ = ["SCHEMES", "TABLE", "GatherContext", "HierarchicalContext", "HierarchicalGroups", "NullProbe", "OnebitAllreduce", "Scheme",
            "SchemeContext", "SumContext", "TwoPhaseContext", "all_gather_phase", "dense", "engine_of", "gather",
            "hierarchical", "hierarchical_groups_for", "reduce_scatter_phase", "rs_ag", "sum", "two_phase"]

@@ -86,15 +86,34 @@ def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str,
         :class:`gradcomp.CollectiveError` when the allreduce fails (``tensor`` then holds no
         average) and :class:`gradcomp.RankMismatchError` when ``check`` finds ranks that disagree.
     """
-    W = ctx.world_size
-    if W == 1:
+    if ctx.world_size == 1:
         return completed(tensor)
+    tensor.div_(ctx.divisor)
+    return sum_allreduce(tensor, ctx.group, "scheme 'dense': the allreduce", probe, check)
+
+
+def sum_allreduce(tensor: torch.Tensor, group, what: str, probe=None, check=None) -> torch.futures.Future:
+    """One asynchronous SUM allreduce of ``tensor`` in place over ``group``: the collective of
+    ``dense`` and of PowerSGD's two rounds (:mod:`gradcomp.torch.powersgd`).
+
+    Args:
+        tensor: any dtype torch.distributed can sum (dense or sparse).
+        group: the process group (None: the default group).
+        what: the collective, for the error message (e.g. "scheme 'dense': the allreduce").
+        probe: times ``"comm_s"`` (launch to completion).
+        check: a :class:`gradcomp.schemes.check.PeerCheck` launched before the allreduce and
+            verified before the Future completes, or None.
+
+    Returns:
+        A Future holding the summed tensor; it raises :class:`gradcomp.CollectiveError` naming
+        ``what`` when the allreduce fails and :class:`gradcomp.RankMismatchError` when ``check``
+        finds ranks that disagree (preferred over the collective's error).
+    """
     probe = probe or NULL_PROBE
     t0 = probe.clock()
-    tensor.div_(ctx.divisor)
     if check is not None:
         check.launch()
-    fut = dist.all_reduce(tensor, group=ctx.group, async_op=True).get_future()
+    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
     def done(value):
         probe.tock("comm_s", t0)
@@ -102,7 +121,7 @@ def dense(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str,
             check.verify()
         return value[0]
 
-    return chain(fut, done, "scheme 'dense': the allreduce", on_error=prefer_mismatch(check), device=tensor.device)
+    return chain(fut, done, what, on_error=prefer_mismatch(check), device=tensor.device)
 
 
 def sum(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str, torch.Tensor]] = None,  # noqa: A001

@@ -26,13 +26,22 @@ its name:
   ``throughput`` has ``encode_s(codec, numel, dtype, error_feedback)`` and ``decode_s(codec,
   numel, dtype)``);
 - ``server(ctx) -> (start, count) | None``: the elements of the bucket this rank's server
-  residual covers (schemes that re-encode a sum: two_phase), else None.
+  residual covers (schemes that re-encode a sum: two_phase), else None;
+- ``route(codec, numel, dtype, config) -> dict``: the layout options of a new layout that runs
+  this scheme (hierarchical: ``local_world_size``, ``inner``, ``engine``), from the compressor's
+  ``config`` (:class:`RouteConfig`); the compressor keeps them with the layout and passes them
+  to ``context``, ``steps`` and ``packet_bytes`` (default: none);
+- ``describe(options, world_size) -> str``: the layout options in words, for the log line of a
+  new layout (default: "");
+- ``prepare(group, config)``: what the scheme must set up on every rank at the same point,
+  outside any hook (hierarchical: its process groups); the compressor calls it at construction
+  for the scheme it may run (default: nothing).
 
 Units: elements for numel, start and count; bytes for everything named ``*bytes``; seconds.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from ..planner.cost import COLLECTIVES
 
@@ -47,6 +56,40 @@ def _always(codec) -> bool:
 
 def _no_server(ctx) -> Optional[Tuple[int, int]]:
     return None
+
+
+def _no_options(codec, numel, dtype, config) -> dict:
+    return {}
+
+
+def _no_words(options, world_size) -> str:
+    return ""
+
+
+def _nothing(group, config) -> None:
+    return None
+
+
+class RouteConfig(NamedTuple):
+    """What a compressor tells a scheme's ``route`` and ``prepare`` (module docstring).
+
+    Attributes:
+        world_size: W, the group's size.
+        local_world_size: L, ranks per node (0: not known).
+        inner_scheme: the scheme asked for across nodes (``"auto"`` by default).
+        min_compress_numel: layouts with fewer elements go dense.
+        cost_model: a :class:`gradcomp.planner.CostModel`, or None.
+        group: the process group (None: the default group).
+        device: the layout's device (None in ``prepare``).
+    """
+
+    world_size: int
+    local_world_size: int = 0
+    inner_scheme: str = "auto"
+    min_compress_numel: int = 1024
+    cost_model: Any = None
+    group: Any = None
+    device: Any = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +111,12 @@ class Scheme:
             this codec (flat schemes; default every codec it accepts). False for a scheme that
             runs only when asked for.
         option_names: the layout options ``context`` / ``steps`` / ``packet_bytes`` take.
+        route, describe, prepare: see the module docstring.
+        shown: the layout options that ``stats()`` buckets, ``layouts()`` and the ranks' call
+            descriptors (:class:`gradcomp.schemes.check.PeerCheck`) carry (hierarchical:
+            ``inner``, ``local_world_size``).
+        requires: the :class:`RouteConfig` fields the scheme cannot run without (hierarchical:
+            ``local_world_size``): asking for it without them is a ValueError.
 
     Raises (``__post_init__``):
         ValueError: an empty name, an unknown ``codecs`` kind or collective, an unknown slot.
@@ -87,6 +136,11 @@ class Scheme:
     flat: bool = True
     candidate: Callable[[Any], bool] = field(default=_always)
     option_names: Tuple[str, ...] = ()
+    route: Callable[..., dict] = _no_options
+    describe: Callable[[dict, int], str] = _no_words
+    prepare: Callable[[Any, RouteConfig], None] = _nothing
+    shown: Tuple[str, ...] = ()
+    requires: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.name or not self.name.isidentifier():
@@ -99,6 +153,12 @@ class Scheme:
         bad = [s for s in self.slots if s not in ("residual", "server")]
         if bad:
             raise ValueError(f"Scheme {self.name}: slots {bad}; accepted: residual, server")
+        bad = [s for s in self.requires if s not in RouteConfig._fields]
+        if bad:
+            raise ValueError(f"Scheme {self.name}: requires {bad}; accepted: {', '.join(RouteConfig._fields)}")
+        bad = [s for s in self.shown if s not in self.option_names]
+        if bad:
+            raise ValueError(f"Scheme {self.name}: shown {bad} are not among its option_names")
 
     def accepts(self, codec) -> bool:
         """Whether the scheme can run ``codec`` (a linear-only scheme needs a linear codec)."""

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..codec import _dtype_name as dtype_name
 from ..errors import RankMismatchError
 
 HEADER_MAGIC = 0x31504347  # "GCP1" little-endian
@@ -139,7 +140,7 @@ def _unpack_str(ws: Sequence[int]) -> str:
 
 
 def _dtype_code(dtype: Any) -> int:
-    name = str(dtype).replace("torch.", "")
+    name = dtype_name(dtype)
     return DTYPE_CODES.index(name) if name in DTYPE_CODES else DTYPE_CODES.index("other")
 
 

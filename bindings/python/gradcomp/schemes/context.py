@@ -37,6 +37,15 @@ class SchemeContext:
             its inputs are node sums.
         packet, gathered, acc, dec_codec: the buffers the scheme's context sets (None here).
         rank: this rank in ``group`` where the scheme needs it, else None.
+        key: ``(seed, step, bucket)`` of the current call, the key of codecs that draw random
+            numbers (``Codec.encode(key=...)``, the same on every rank: a seed all ranks share,
+            the step, the bucket), set by the caller before ``run``; None: no key (0, 0, 0).
+        chunk_base: added to the chunk index of every encode (hierarchical gives its inner
+            scheme a range of its own per local rank).
+
+    Every encode of a scheme passes :meth:`key_for` of its chunk: ``one_round`` (sum, gather)
+    chunk 0; two_phase chunk j for the packet of chunk j (step 1) and W + rank for the re-encoded
+    chunk sum (step 5); hierarchical's inner scheme the same, offset by ``2 N local_rank``.
     """
 
     def __init__(self, codec: Codec, group: Any, world_size: int, packet: Optional[torch.Tensor] = None,
@@ -51,6 +60,16 @@ class SchemeContext:
         self.acc = acc
         self.dec_codec = dec_codec
         self.rank: Optional[int] = None
+        self.key: Optional[Tuple[int, int, int]] = None
+        self.chunk_base = 0
+
+    def key_for(self, chunk: int) -> Optional[Tuple[int, int, int, int]]:
+        """``(seed, step, bucket, chunk_base + chunk)`` for the encode of ``chunk``, or None
+        without a key (codecs that draw no random numbers ignore it either way)."""
+        if self.key is None:
+            return None
+        seed, step, bucket = self.key
+        return (seed, step, bucket, self.chunk_base + int(chunk))
 
     @classmethod
     def for_layout(cls, scheme: str, codec: Codec, numel: int, dtype: torch.dtype, device: torch.device,
@@ -249,7 +268,7 @@ def one_round(tensor: torch.Tensor, ctx: SchemeContext, slots, probe, communicat
     probe = probe or NULL_PROBE
     residual = slots.get("residual") if slots else None
     t0 = probe.clock()
-    ctx.codec.encode(tensor, residual=residual, out=ctx.packet, divisor=ctx.divisor)
+    ctx.codec.encode(tensor, residual=residual, out=ctx.packet, divisor=ctx.divisor, key=ctx.key_for(0))
     probe.tock("encode_s", t0)
     t1 = probe.clock()
     if check is not None:

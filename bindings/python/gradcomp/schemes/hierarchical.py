@@ -59,6 +59,7 @@ from ..planner.bytes import (all_gather_bytes, chunk, chunk_size, dense_bytes, h
                              ring_allreduce_bytes, scheme_steps)
 from ..planner.choice import hierarchical_inner
 from .base import Scheme
+from .collectives import all_gather_failsafe
 from .context import NULL_PROBE, SchemeContext, chain, collective_failed, completed, prefer_mismatch
 from .groups import engine_of, hierarchical_groups_for
 
@@ -271,6 +272,9 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
     def across() -> Optional[torch.futures.Future]:
         if not count:
             return None
+        if ctx.inner_ctx is not None:  # the inner scheme's chunks: a range of 2N per local rank
+            ctx.inner_ctx.key = ctx.key
+            ctx.inner_ctx.chunk_base = ctx.chunk_base + 2 * N * ctx.local_rank
         r = None if residual is None else residual[start: start + count]
         inner = table.get(ctx.inner)
         if "residual" not in inner.slots:
@@ -311,15 +315,12 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
         ctx.part[c] = 0
     except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather
         failed = e
-        ctx.part.zero_()
-        ctx.part[c] = 1
-    t1 = probe.clock()
-    work = dist.all_gather_into_tensor(ctx.gathered, ctx.part, group=ctx.intra_group, async_op=True)
 
-    def done(_):
-        probe.tock("comm_s", t1)
-        if failed is not None:
-            raise failed
+    def mark_failed(part):
+        part.zero_()
+        part[c] = 1
+
+    def finish():
         g = ctx.gathered.view(L, c + 1)
         if not g.is_cuda:  # host memory: read the statuses now
             status = g[:, c].to(torch.float32).numpy()
@@ -335,8 +336,31 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
                     flat[a: a + m].copy_(g[i, :m])
         return tensor
 
-    return chain(work.get_future(), done, "scheme 'hierarchical': the all-gather inside the node",
-                 device=tensor.device)
+    return all_gather_failsafe(ctx.gathered, ctx.part, ctx.intra_group, failed, finish,
+                               "scheme 'hierarchical': the all-gather inside the node", probe=probe,
+                               mark_failed=mark_failed, device=tensor.device)
+
+
+def _route(codec, numel: int, dtype, config) -> dict:
+    """A new layout's options: L, the scheme across nodes (``dense`` when one node holds every
+    rank: nothing crosses, the chunks are summed exactly; else
+    :func:`gradcomp.planner.hierarchical_inner`) and the engine its bytes are accounted for."""
+    W, L = config.world_size, config.local_world_size
+    inner = "dense" if W == L else hierarchical_inner(codec, numel, dtype, W, L, config.inner_scheme,
+                                                      config.min_compress_numel, cost_model=config.cost_model)
+    return {"local_world_size": L, "inner": inner, "engine": engine_of(config.group, config.device)}
+
+
+def _describe(options: dict, world_size: int) -> str:
+    L = options["local_world_size"]
+    return f"inner {options['inner']} over {world_size // L} nodes of {L}, {options['engine']}"
+
+
+def _prepare(group, config) -> None:
+    """The intra/cross-node process groups, created when the Compressor is (every rank at the
+    same point), not inside a hook (:mod:`gradcomp.schemes.groups`; cached per group and L)."""
+    if config.local_world_size and config.world_size > 1:
+        hierarchical_groups_for(group, config.local_world_size)
 
 
 HIERARCHICAL = Scheme(
@@ -346,4 +370,6 @@ HIERARCHICAL = Scheme(
     run=hierarchical, context=HierarchicalContext, steps=hierarchical_steps, packet_bytes=_hierarchical_packet,
     kernels=_hierarchical_kernels, collectives=("reduce_scatter", "allreduce", "all_gather", "all_to_all"),
     slots=("residual", "server"), server=_server_of_chunk, flat=False,
-    option_names=("local_world_size", "inner", "min_compress_numel", "engine"))
+    option_names=("local_world_size", "inner", "min_compress_numel", "engine"),
+    route=_route, describe=_describe, prepare=_prepare, shown=("inner", "local_world_size"),
+    requires=("local_world_size",))

@@ -45,7 +45,8 @@ from ..codec import Codec, _dtype_name, aligned_empty
 from ..planner.bytes import all_gather_bytes, chunk, chunk_size, two_phase_slots
 from .base import Scheme
 from .check import check_headers
-from .context import NULL_PROBE, SchemeContext, chain, collective_failed, completed, prefer_mismatch
+from .collectives import all_gather_failsafe
+from .context import NULL_PROBE, SchemeContext, collective_failed, completed, prefer_mismatch
 
 
 class TwoPhaseContext(SchemeContext):
@@ -179,7 +180,8 @@ def reduce_scatter_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None,
     for j, (a, m) in enumerate(ctx.chunks):
         if m:
             codec.encode(flat[a: a + m], residual=None if residual is None else residual[a: a + m],
-                         out=ctx.packet[j * p1: j * p1 + codec.packet_bytes(m, dtype)], divisor=ctx.divisor)
+                         out=ctx.packet[j * p1: j * p1 + codec.packet_bytes(m, dtype)], divisor=ctx.divisor,
+                         key=ctx.key_for(j))
     probe.tock("encode_s", t0)
     t1 = probe.clock()
     if check is not None:
@@ -235,20 +237,15 @@ def all_gather_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, pro
         try:
             t3 = probe.clock()
             codec.encode(ctx.acc[:mine], residual=server,
-                         out=ctx.server_packet[: codec.packet_bytes(mine, "float32")], divisor=1)
+                         out=ctx.server_packet[: codec.packet_bytes(mine, "float32")], divisor=1,
+                         key=ctx.key_for(ctx.world_size + ctx.rank))
             probe.tock("encode_s", t3)
         except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather
             failed = e
-    if mine and failed is not None:
-        ctx.server_packet.zero_()
-    t4 = probe.clock()
-    work = dist.all_gather_into_tensor(ctx.gathered, ctx.server_packet, group=ctx.group, async_op=True)
+    # all_gather_failsafe zeroes the slot of a rank that failed (an empty chunk's slot is zero already)
     ref = ctx.packet[ctx.rank * p1:] if mine else next(ctx.packet[j * p1:] for j, (_, m) in enumerate(ctx.chunks) if m)
 
-    def done(_):
-        probe.tock("comm_s", t4)
-        if failed is not None:
-            raise failed
+    def finish():
         check_headers(ctx.gathered, p2, [(j, m) for j, (_, m) in enumerate(ctx.chunks) if m], ref, "float32",
                       "scheme 'two_phase': the all-gather of the summed chunks")
         t5 = probe.clock()
@@ -261,8 +258,9 @@ def all_gather_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, pro
         probe.tock("decode_s", t5)
         return tensor
 
-    return chain(work.get_future(), done, "scheme 'two_phase': the all-gather of the summed chunks",
-                 device=tensor.device)
+    return all_gather_failsafe(ctx.gathered, ctx.server_packet, ctx.group, failed, finish,
+                               "scheme 'two_phase': the all-gather of the summed chunks", probe=probe,
+                               device=tensor.device)
 
 
 TWO_PHASE = Scheme(

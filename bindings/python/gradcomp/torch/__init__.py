@@ -30,8 +30,10 @@ Usage::
 The codec is always given: there is no default. See :class:`Compressor` and
 :class:`CompressionState` for the schemes, error feedback, the non-finite rule, loss scaling,
 checkpoints and the byte accounting; the README's "Compressed allreduce for any training loop" and
-"DDP communication hook" sections are the user guide. Modules: ``compressor`` (the allreduce),
-``hook`` (DDP), ``powersgd`` (low rank: Vogels et al., NeurIPS 2019), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
+"DDP communication hook" sections are the user guide. Modules: ``protocol`` (the interface every
+compressor protocol implements, :class:`BaseCompressor`, and the protocol table that
+``Compressor(spec)`` and ``register`` read), ``compressor`` (the codec protocol's allreduce),
+``hook`` (DDP), ``powersgd`` (the low-rank protocol: Vogels et al., NeurIPS 2019), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
 reads, the log handler), ``pool`` (a gloo process pool for tests and experiments).
 
 Sources: PyTorch DDP communication hooks (``torch.distributed.algorithms.ddp_comm_hooks``,
@@ -41,9 +43,10 @@ Gradient Compression", ICLR 2018; error feedback: Karimireddy et al., "Error Fee
 and other Gradient Compression Schemes", ICML 2019.
 """
 
+from .protocol import BaseCompressor  # noqa: F401
 from .compressor import Compressor  # noqa: F401
 from .hook import CompressionState, compression_hook, register  # noqa: F401
 from .powersgd import PowerSGDCompressor, PowerSGDState, powersgd_hook  # noqa: F401
 
-__all__ = ["Compressor", "CompressionState", "compression_hook", "register", "PowerSGDState", "powersgd_hook",
+__all__ = ["BaseCompressor", "Compressor", "CompressionState", "compression_hook", "register", "PowerSGDState", "powersgd_hook",
            "PowerSGDCompressor"]

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import warnings
+import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -26,11 +27,15 @@ import torch.distributed as dist
 
 from .. import planner
 from ..codec import Codec
+from ..codec import _dtype_name as dtype_name
 from ..planner import schemes as scheme_table
-from ..schemes import SchemeContext, engine_of, hierarchical_groups_for
+from ..schemes import SchemeContext
+from ..schemes.base import RouteConfig
 from ..schemes.check import PeerCheck
 from ..schemes.context import chain, completed
+from . import protocol
 from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
+from .protocol import BaseCompressor, LossScale, check_allreduce_args  # noqa: F401 (re-exported)
 from .residuals import NONFINITE_MODES, Layout, ResidualStore
 from .stats import CORRUPT_MODES, LOCAL, Stats
 
@@ -43,7 +48,8 @@ CAST_CODECS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """The 16-bit cast codecs and their wire dtype: on a 16-bit tensor they save nothing."""
 
 PICKLE_VERSION = 2
-"""Format of a pickled Compressor; 2 added local_world_size, inner_scheme and cost_model (a
+"""Format of a pickled Compressor; 2 added local_world_size, inner_scheme and cost_model (later
+also seed, read as 0 when absent; a
 version-1 pickle loads with their defaults)."""
 
 def scheme_choices() -> Tuple[str, ...]:
@@ -94,10 +100,11 @@ def check_options(*, scheme: str, nonfinite: str, ints: Sequence[Tuple[str, Any]
 
 
 def resolve_local_world_size(local_world_size: Optional[int], world_size: int, scheme: str) -> int:
-    """L, the ranks per node of the ``hierarchical`` scheme, for a group of ``world_size`` ranks:
+    """L, the ranks per node (of the ``hierarchical`` scheme), for a group of ``world_size`` ranks:
     ``local_world_size`` when given, else the ``LOCAL_WORLD_SIZE`` environment variable (torchrun
     sets it) when it is an integer dividing the world size; 0 when neither applies and the
-    scheme is not ``"hierarchical"`` (``auto`` then never takes hierarchical).
+    scheme does not require it (its :attr:`gradcomp.schemes.base.Scheme.requires`; ``auto``
+    then never takes a scheme that does).
 
     Raises:
         ValueError: ``local_world_size`` not an integer >= 1 dividing ``world_size``; for
@@ -105,6 +112,7 @@ def resolve_local_world_size(local_world_size: Optional[int], world_size: int, s
             integer (each message names the value and the world size).
     """
     W = int(world_size)
+    required = scheme != "auto" and "local_world_size" in scheme_table.get(scheme).requires
     if local_world_size is not None:
         v = local_world_size
         if isinstance(v, bool) or not isinstance(v, int) or v < 1 or W % v != 0:
@@ -119,46 +127,33 @@ def resolve_local_world_size(local_world_size: Optional[int], world_size: int, s
             v = 0
         if v >= 1 and W % v == 0:
             return v
-        if scheme == "hierarchical":
-            raise ValueError(f"scheme='hierarchical': the LOCAL_WORLD_SIZE environment variable is {env!r}; "
+        if required:
+            raise ValueError(f"scheme={scheme!r}: the LOCAL_WORLD_SIZE environment variable is {env!r}; "
                              f"accepted: an integer >= 1 dividing the world size {W}; or pass local_world_size=")
         return 0
-    if scheme == "hierarchical":
-        raise ValueError(f"scheme='hierarchical' needs the ranks per node: pass local_world_size= (an integer "
+    if required:
+        raise ValueError(f"scheme={scheme!r} needs the ranks per node: pass local_world_size= (an integer "
                          f"dividing the world size {W}) or set the LOCAL_WORLD_SIZE environment variable "
                          f"(torchrun sets it)")
     return 0
 
 
-def check_allreduce_args(tensor, name) -> None:
-    """The argument checks of every ``allreduce(tensor, name)`` (Compressor, PowerSGDCompressor).
-
-    Raises:
-        TypeError: ``name`` not a str, ``tensor`` not a torch.Tensor.
-        ValueError: a non-contiguous or non-strided (sparse) tensor.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"allreduce: name={name!r}; accepted: a str")
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"allreduce: expected a torch.Tensor for {name!r}, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided or not tensor.is_contiguous():
-        raise ValueError(f"allreduce: tensor {name!r} (layout {tensor.layout}, shape {tuple(tensor.shape)}) "
-                         f"is not a contiguous strided tensor; pass tensor.contiguous() and copy back")
-
-
 class _Route:
-    """A layout with the scheme chosen for it and, once it compresses, its scheme buffers;
-    ``inner`` / ``engine``: hierarchical's scheme across nodes and the engine its bytes are
-    accounted for ("" otherwise)."""
+    """A layout with the scheme chosen for it, the scheme's layout options (its description's
+    ``route``: hierarchical's L, scheme across nodes and engine; empty for the others) and, once
+    it compresses, its scheme buffers."""
 
-    __slots__ = ("layout", "scheme", "ctx", "inner", "engine")
+    __slots__ = ("layout", "scheme", "ctx", "options")
 
-    def __init__(self, layout: Layout, scheme: str, inner: str = "", engine: str = ""):
+    def __init__(self, layout: Layout, scheme: str, options: Optional[dict] = None):
         self.layout = layout
         self.scheme = scheme
         self.ctx: Optional[SchemeContext] = None
-        self.inner = inner
-        self.engine = engine
+        self.options = dict(options or {})
+
+    def shown(self) -> dict:
+        """The options its scheme shows in stats, layouts and the ranks' call descriptors."""
+        return {k: self.options[k] for k in scheme_table.get(self.scheme).shown if k in self.options}
 
 
 def _label(key) -> str:
@@ -166,7 +161,14 @@ def _label(key) -> str:
     return f"bucket {v}" if kind == "index" else f"tensor {v!r}"
 
 
-class Compressor:
+def _bucket_id(key) -> int:
+    """The bucket part of the encode key: a bucket's index, or crc32 of a tensor's name (the
+    same on every rank), as a u32."""
+    kind, v = key
+    return int(v) & 0xFFFFFFFF if kind == "index" else zlib.crc32(str(v).encode("utf-8"))
+
+
+class Compressor(BaseCompressor):
     """Compressed allreduce over a process group, with error feedback, for any loop or hook.
 
     Args:
@@ -220,6 +222,11 @@ class Compressor:
             nothing crosses and the inner scheme is dense).
         cost_model: a :class:`gradcomp.planner.CostModel` for ``"auto"`` (and an ``"auto"``
             inner scheme), or None: passed to :func:`gradcomp.planner.choose_scheme`.
+        seed: an int in [0, 2^64), the same on every rank (default 0): with the step and the
+            bucket (its index, or crc32 of the tensor's name) the key of codecs that draw random
+            numbers; every scheme passes ``(seed, step, bucket, chunk)`` to every encode
+            (:meth:`gradcomp.schemes.SchemeContext.key_for`), so all ranks draw alike and no
+            global generator is touched. Codecs without randomness ignore it.
 
     Steps: a step ends at :meth:`end_step`, or when :meth:`allreduce` sees a name a second time
     (so a loop that reduces each name once per iteration needs no call). Records, the one-step-
@@ -272,22 +279,26 @@ class Compressor:
     """
 
     def __new__(cls, codec: Any = None, *args, **kwargs):
-        # "powersgd:rank=R" is not a codec (a two-round protocol): its own compressor
-        if cls is Compressor and isinstance(codec, str) and codec.partition(":")[0].strip() == "powersgd":
-            from .powersgd import PowerSGDCompressor
-
-            return PowerSGDCompressor(codec, *args, **kwargs)
+        # a spec of another protocol ("powersgd:rank=R": low rank, not a codec) builds that
+        # protocol's compressor (gradcomp.torch.protocol's table)
+        if cls is Compressor and codec is not None:
+            p = protocol.for_spec(codec)
+            if p.compressor is not Compressor:
+                return p.compressor(codec, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, codec: Any, scheme: str = "auto", error_feedback: bool = True, group=None, *,
                  min_compress_numel: int = 1024, nonfinite: str = "restore", on_corrupt: str = "raise",
                  log_every: int = 0, local_world_size: Optional[int] = None, inner_scheme: str = "auto",
-                 cost_model=None):
+                 cost_model=None, seed: int = 0):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback, group=group,
                       on_corrupt=on_corrupt,
                       ints=(("min_compress_numel", min_compress_numel), ("log_every", log_every)))
         if inner_scheme not in inner_choices():
             raise ValueError(f"inner_scheme={inner_scheme!r}; accepted: {', '.join(inner_choices())}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"seed={seed!r}; accepted: an int in [0, 2^64), the same on every rank")
+        self.seed = int(seed)
         self.codec = codec if isinstance(codec, Codec) else Codec(str(codec))
         self.linear = bool(self.codec.properties["linear"])
         for arg, name in (("scheme", scheme), ("inner_scheme", inner_scheme)):
@@ -305,7 +316,7 @@ class Compressor:
         self.group = group
         self.world_size = world
         self.rank = dist.get_rank(group)
-        self._hierarchical_groups()
+        self._prepare_schemes()
         self.iter = 0  # steps completed
         self.store = ResidualStore(nonfinite)
         self._stats = Stats(self.world_size, self.codec.spec, nonfinite, on_corrupt, int(log_every))
@@ -315,22 +326,28 @@ class Compressor:
         self._names: Dict[str, Tuple[int, torch.device]] = {}  # allreduce()/load names: numel, device
         self._fallback: set = set()  # keys that took the dense path for their dtype or layout
         self._step_names: set = set()
-        self._scaler = None  # an attached GradScaler
-        self._unit: Optional[torch.Tensor] = None  # the loss scale the residuals are in (None: 1)
-        self._unit_step = -1  # the step whose residuals were last brought to the scaler's scale
+        self._scale = LossScale()  # an attached GradScaler and the loss scale the residuals are in
         self._restored: Optional[dict] = None  # a state_dict from a pickle, loaded on first use
         self._journal = StepJournal(self._rewind)  # undoes a failed step (gradcomp.torch.journal)
         self._verified: Dict[tuple, tuple] = {}  # key -> call signature the ranks agreed on
 
-    def _hierarchical_groups(self) -> None:
-        """Create the intra/cross-node process groups now (every rank constructs the Compressor
-        at the same point), not inside a hook, when hierarchical may run (:mod:`gradcomp.schemes.
-        groups`; cached per group and L)."""
-        L = self.local_world_size
-        if L and self.world_size > 1 and (self.scheme == "hierarchical"
-                                          or (self.scheme == "auto" and self.cost_model is not None)):
-            hierarchical_groups_for(self.group, L)
+    def _config(self, device=None) -> RouteConfig:
+        return RouteConfig(self.world_size, self.local_world_size, self.inner_scheme, self.min_compress_numel,
+                           self.cost_model, self.group, device)
 
+    def _prepare_schemes(self) -> None:
+        """What the schemes this compressor may run set up on every rank now (every rank
+        constructs the Compressor at the same point), not inside a hook: the requested scheme's
+        ``prepare``; under ``auto`` with a cost model, every scheme's (the cost model may pick
+        any; hierarchical: its process groups, :mod:`gradcomp.schemes.groups`)."""
+        if self.scheme != "auto":
+            names = (self.scheme,)
+        else:
+            names = scheme_table.names() if self.cost_model is not None else ()
+        for name in names:
+            scheme_table.get(name).prepare(self.group, self._config())
+
+    spec = property(lambda self: self.codec.spec, doc="The codec's canonical spec (read-only).")
     nonfinite = property(lambda self: self.store.nonfinite, doc="``\"restore\"`` or ``\"reset\"`` (read-only).")
     log_every = property(lambda self: self._stats.log_every, doc="Steps between stats log lines (read-only).")
 
@@ -443,15 +460,14 @@ class Compressor:
                route: Optional[_Route] = None) -> Optional[PeerCheck]:
         """The ranks' call descriptors (:func:`gradcomp.torch.journal.peer_check`)."""
         params = list(lay.params) if lay is not None else None
-        inner = route.inner if route is not None and scheme == "hierarchical" else ""
-        L = self.local_world_size if scheme == "hierarchical" else 0
-        sig = (tensor.numel(), tensor.dtype, scheme, inner, L, None if params is None else tuple(params))
+        shown = route.shown() if route is not None and route.scheme == scheme else {}
+        sig = (tensor.numel(), tensor.dtype, scheme, tuple(shown.items()), None if params is None else tuple(params))
 
         def make(now: bool) -> PeerCheck:
             return PeerCheck(self.group, self.world_size, tensor.device, step=att.step, key=key,
                              numel=tensor.numel(), dtype=tensor.dtype, params=params, spec=self.codec.spec,
-                             spec_hash=self.codec.spec_hash, scheme=scheme, inner=inner, local_world_size=L,
-                             late=None if now else self._stats.expect_check)
+                             spec_hash=self.codec.spec_hash, scheme=scheme,
+                             late=None if now else self._stats.expect_check, **shown)
 
         return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e))
 
@@ -466,7 +482,7 @@ class Compressor:
         supported = tensor.layout == torch.strided and tensor.dtype in SUPPORTED_DTYPES
         dense = planner.dense_bytes(tensor.numel(), tensor.dtype) if tensor.layout == torch.strided else 0
         packet = int(self.codec.packet_bytes(tensor.numel(), tensor.dtype)) if supported else dense
-        self._stats.account(rec, {key[0]: key[1], "numel": tensor.numel(), "dtype": str(tensor.dtype).replace("torch.", ""),
+        self._stats.account(rec, {key[0]: key[1], "numel": tensor.numel(), "dtype": dtype_name(tensor.dtype),
                                   "scheme": LOCAL, "dense_bytes": dense, "packet_bytes": packet,
                                   "sent_bytes": 0.0, "ring_bytes": 0.0})
         return completed(tensor)
@@ -476,8 +492,8 @@ class Compressor:
             return self._single(tensor, key)
         self._load_restored(strict=True)
         att = self._attempt(key)
-        if self._unit_step != self.iter and (self._scaler is not None or self._unit is not None):
-            self._follow_scale()
+        if self._scale.due(self.iter):
+            self._scale.follow(self.store, self.iter)
         kind = "bucket" if key[0] == "index" else "tensor"
         if tensor.layout != torch.strided or tensor.dtype not in SUPPORTED_DTYPES:
             self._fallback.add(key)
@@ -506,34 +522,24 @@ class Compressor:
             scheme = planner.choose_scheme(self.codec, lay.numel, lay.dtype, self.world_size, self.scheme,
                                            self.min_compress_numel, cost_model=self.cost_model,
                                            local_world_size=self.local_world_size)
-            inner = engine = ""
-            if scheme == "hierarchical":
-                L = self.local_world_size
-                if self.world_size == L:  # one node: nothing crosses, the chunks are summed exactly
-                    inner = "dense"
-                else:
-                    inner = planner.hierarchical_inner(self.codec, lay.numel, lay.dtype, self.world_size, L,
-                                                       self.inner_scheme, self.min_compress_numel,
-                                                       cost_model=self.cost_model)
-                engine = engine_of(self.group, lay.device)
-            route = self._routes[key] = _Route(lay, scheme, inner, engine)
+            desc = scheme_table.get(scheme)
+            route = self._routes[key] = _Route(lay, scheme, desc.route(self.codec, lay.numel, lay.dtype,
+                                                                        self._config(lay.device)))
             self._fallback.discard(key)
             wire = CAST_CODECS.get(self.codec.spec)
             if scheme != "dense" and wire is not None and lay.dtype in (torch.float16, torch.bfloat16):
-                dt = str(lay.dtype).replace("torch.", "")
+                dt = dtype_name(lay.dtype)
                 loss = ("" if wire == lay.dtype else
-                        "; it also rounds every value to " + str(wire).replace("torch.", "") +
+                        "; it also rounds every value to " + dtype_name(wire) +
                         (" (fewer mantissa bits)" if wire == torch.bfloat16 else " (overflows beyond 65504)"))
                 self._warn_once(("cast16", self.codec.spec, lay.dtype),
                                 f"gradcomp: codec {self.codec.spec} on a {dt} {_label(key).split()[0]} saves nothing "
                                 f"(16 bits per element either way){loss}; use codec 'none' for the same bytes "
                                 f"without a cast, or a smaller codec (e.g. 'topk:ratio=0.01')")
-            shown = scheme
-            if inner:
-                shown = (f"{scheme} (inner {inner} over {self.world_size // self.local_world_size} nodes of "
-                         f"{self.local_world_size}, {engine})")
+            words = desc.describe(route.options, self.world_size) if route.options else ""
+            shown = f"{scheme} ({words})" if words else scheme
             log.info("gradcomp: %s layout: %d elements, %s, %d parameters, scheme %s (codec %s, W=%d)",
-                     _label(key), lay.numel, str(lay.dtype).replace("torch.", ""), len(lay.params), shown,
+                     _label(key), lay.numel, dtype_name(lay.dtype), len(lay.params), shown,
                      self.codec.spec, self.world_size)
             if self.cost_model is not None and self.scheme == "auto" and lay.numel >= max(1, self.min_compress_numel):
                 choice = self.cost_model.choose(self.codec, lay.numel, lay.dtype, self.world_size,
@@ -543,17 +549,15 @@ class Compressor:
         return route
 
     def _bucket(self, key, tensor, scheme: str, route: Optional[_Route] = None) -> dict:
-        """The stats dict of one call; bytes from the planner (hierarchical: with ``inner``,
-        ``local_world_size`` and the planner's ``intra_bytes`` / ``inter_bytes``)."""
-        b = {key[0]: key[1], "numel": tensor.numel(), "dtype": str(tensor.dtype).replace("torch.", ""),
+        """The stats dict of one call; bytes from the planner with the route's layout options
+        (hierarchical: with ``inner``, ``local_world_size`` and the planner's ``intra_bytes`` /
+        ``inter_bytes``)."""
+        b = {key[0]: key[1], "numel": tensor.numel(), "dtype": dtype_name(tensor.dtype),
              "scheme": scheme}
-        if scheme == "hierarchical":
-            b["inner"], b["local_world_size"] = route.inner, self.local_world_size
-            b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size,
-                                          local_world_size=self.local_world_size, inner=route.inner,
-                                          engine=route.engine))
-        else:
-            b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size))
+        options = route.options if route is not None and route.scheme == scheme else {}
+        if options:
+            b.update(route.shown())
+        b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size, **options))
         return b
 
     def _dense(self, att: Attempt, tensor, key, lay: Optional[Layout], joined: bool, check: Optional[PeerCheck]):
@@ -604,8 +608,7 @@ class Compressor:
         desc = scheme_table.get(route.scheme)
         if route.ctx is None:
             route.ctx = SchemeContext.for_layout(route.scheme, self.codec, lay.numel, lay.dtype, lay.device,
-                                                 self.group, self.world_size, rank=self.rank,
-                                                 local_world_size=self.local_world_size, inner=route.inner)
+                                                 self.group, self.world_size, rank=self.rank, **route.options)
         # the server residual (ResidualStore docstring): the scheme's server range (two_phase,
         # this rank's chunk; hierarchical with inner two_phase, this rank's piece of its node
         # chunk), folded with factor W
@@ -643,6 +646,7 @@ class Compressor:
                     undo_self()
             return err
 
+        route.ctx.key = (self.seed, att.step & 0xFFFFFFFF, _bucket_id(key))
         try:
             fut = desc.run(tensor, route.ctx, slots, probe=probe, check=check)
         except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
@@ -693,10 +697,9 @@ class Compressor:
         ``"local_world_size"``."""
         out = []
         for key, r in self._routes.items():
-            d = {key[0]: key[1], "numel": r.layout.numel, "dtype": str(r.layout.dtype).replace("torch.", ""),
+            d = {key[0]: key[1], "numel": r.layout.numel, "dtype": dtype_name(r.layout.dtype),
                  "scheme": r.scheme, "params": list(r.layout.params)}
-            if r.scheme == "hierarchical":
-                d["inner"], d["local_world_size"] = r.inner, self.local_world_size
+            d.update(r.shown())
             out.append(d)
         return out
 
@@ -793,40 +796,12 @@ class Compressor:
         Raises:
             TypeError: ``scaler`` is not a GradScaler nor None.
         """
-        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(f"attach_grad_scaler: expected a torch.amp.GradScaler or None, got "
-                            f"{type(scaler).__name__}")
-        self._scaler = scaler
-        self._unit_step = -1
+        self._scale.attach(scaler)
 
     @property
     def grad_scaler(self):
         """The attached GradScaler, or None."""
-        return self._scaler
-
-    def _follow_scale(self) -> None:
-        """Bring every residual from the scale it is in (``_unit``; None: 1) to the scaler's
-        current scale, on the device (once per step, before anything reads a residual)."""
-        self._unit_step = self.iter
-        sc = self._scaler
-        cur = None
-        if sc is not None and sc.is_enabled():
-            cur = getattr(sc, "_scale", None)
-            if cur is None:  # the scaler has not scaled a loss yet: nothing to follow this step
-                return
-        if cur is None and self._unit is None:
-            return
-        new = cur.detach().to(torch.float32).reshape(()) if cur is not None else None
-        old = self._unit
-        if old is None:
-            factor = new.clone()
-        elif new is None:
-            factor = torch.reciprocal(old)
-        else:
-            factor = new / old.to(new.device, non_blocking=True)
-        factor = torch.where(torch.isfinite(factor), factor, torch.zeros_like(factor))
-        self.store.scale_(factor)
-        self._unit = None if new is None else new.clone()
+        return self._scale.scaler
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -850,7 +825,7 @@ class Compressor:
         self._load_restored(strict=True)
         return {"version": 1, "codec": self.codec.spec, "world_size": self.world_size, "rank": self.rank,
                 "iter": self.iter, "error_feedback": self.error_feedback,
-                "grad_scale": 1.0 if self._unit is None else float(self._unit),
+                "grad_scale": self._scale.value(),
                 "scheme": self.scheme, "local_world_size": self.local_world_size, "inner_scheme": self.inner_scheme,
                 "residuals": self.store.state(), "server_residuals": self.store.server_state()}
 
@@ -919,8 +894,8 @@ class Compressor:
             flat[name] = t
         self.iter = int(sd.get("iter", 0))
         gs = float(sd.get("grad_scale", 1.0))
-        self._unit = None if gs == 1.0 else torch.tensor(gs, dtype=torch.float32)
-        self._unit_step = -1
+        self._scale.unit = None if gs == 1.0 else torch.tensor(gs, dtype=torch.float32)
+        self._scale.step = -1
         for name, t in flat.items():
             self.store.load(name, t)
             self._names.setdefault(name, (t.numel(), t.device))
@@ -961,7 +936,7 @@ class Compressor:
         self._dense_ctx = SchemeContext(self.codec, group, world)
         self._routes.clear()
         self._verified.clear()  # the new group's ranks compare their call descriptors again
-        self._hierarchical_groups()
+        self._prepare_schemes()
         self._load_restored(strict)
 
     def _load_restored(self, strict: bool) -> None:
@@ -981,7 +956,7 @@ class Compressor:
                 "error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
                 "nonfinite": self.nonfinite, "on_corrupt": self.on_corrupt, "log_every": self.log_every,
                 "local_world_size": self._local_world_size_arg, "inner_scheme": self.inner_scheme,
-                "cost_model": self.cost_model, "explicit_group": self.group is not None,
+                "cost_model": self.cost_model, "seed": self.seed, "explicit_group": self.group is not None,
                 "state": dict(sd, iter=self.iter), "stats": self._stats,
                 "names": {k: (n, str(d)) for k, (n, d) in self._names.items()},
                 "step_names": sorted(self._step_names)}
@@ -1001,7 +976,7 @@ class Compressor:
                             min_compress_numel=d["min_compress_numel"], nonfinite=d["nonfinite"],
                             on_corrupt=d["on_corrupt"], log_every=d["log_every"],
                             local_world_size=d.get("local_world_size"), inner_scheme=d.get("inner_scheme", "auto"),
-                            cost_model=d.get("cost_model"))
+                            cost_model=d.get("cost_model"), seed=d.get("seed", 0))
         stats = d["stats"]
         stats.world_size = self.world_size
         self._stats = stats
@@ -1012,7 +987,7 @@ class Compressor:
 
     def __getstate__(self) -> dict:
         dropped = [what for what, held in (("process group", self.group is not None),
-                                           ("GradScaler", self._scaler is not None)) if held]
+                                           ("GradScaler", self._scale.scaler is not None)) if held]
         if dropped:
             log.warning("gradcomp: the %s of a Compressor cannot be pickled and is left out; after loading "
                         "it is the default group / no scaler: call set_process_group(group) / "

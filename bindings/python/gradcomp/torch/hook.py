@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..codec import _dtype_name as dtype_name
+from . import protocol
 from .compressor import Compressor, check_options
 
 log = logging.getLogger("gradcomp")
@@ -145,6 +147,7 @@ class CompressionState:
             :func:`gradcomp.planner.hierarchical_inner`), ``"dense"``, ``"sum"`` (linear codecs),
             ``"gather"`` or ``"two_phase"``.
         cost_model: a :class:`gradcomp.planner.CostModel` for ``"auto"``, or None.
+        seed: the key seed of codecs that draw random numbers (:class:`Compressor`; default 0).
 
     Server residuals (two_phase): each rank keeps a float32 residual for its chunk of each
     bucket layout (``state.compressor.server_residuals()``). Chunk boundaries are bucket offsets,
@@ -209,7 +212,7 @@ class CompressionState:
     def __init__(self, ddp_model, codec: Any, error_feedback: bool = True, scheme: str = "auto",
                  start_iter: int = 0, min_compress_numel: int = 1024, nonfinite: str = "restore",
                  process_group=None, log_every: int = 0, *, local_world_size: Optional[int] = None,
-                 inner_scheme: str = "auto", cost_model=None):
+                 inner_scheme: str = "auto", cost_model=None, seed: int = 0):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback,
                       group=process_group, group_arg="process_group",
                       ints=(("start_iter", start_iter), ("min_compress_numel", min_compress_numel),
@@ -218,10 +221,11 @@ class CompressionState:
         self.start_iter = int(start_iter)
         self._group_given = process_group is not None
         group = process_group if process_group is not None else ddp_model.process_group
-        # the hierarchical options travel only when given (a powersgd codec's compressor has none)
+        # the hierarchical options travel only when given (their defaults live in the Compressor)
         extra = {k: v for k, v, given in (("local_world_size", local_world_size, local_world_size is not None),
                                           ("inner_scheme", inner_scheme, inner_scheme != "auto"),
-                                          ("cost_model", cost_model, cost_model is not None)) if given}
+                                          ("cost_model", cost_model, cost_model is not None),
+                                          ("seed", seed, seed != 0)) if given}
         self.compressor = Compressor(codec, scheme, error_feedback, group,
                                      min_compress_numel=min_compress_numel, nonfinite=nonfinite,
                                      log_every=log_every, **extra)
@@ -242,7 +246,7 @@ class CompressionState:
             self._names[id(p)] = name
             self._params_by_name[name] = p
             if p.is_complex():
-                self._complex[id(p)] = f"{name}: {str(p.dtype).replace('torch.', '')}"
+                self._complex[id(p)] = f"{name}: {dtype_name(p.dtype)}"
         self._hook_joins(ddp_model)
         self._bound = True
 
@@ -531,10 +535,11 @@ def register(ddp_model, codec: Any = None, *, state: Optional[CompressionState] 
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
         codec: the codec spec or :class:`gradcomp.Codec` (required unless ``state`` is given:
             there is no default codec), e.g. ``"none"``, ``"fp16"``, ``"bf16"``,
-            ``"topk:ratio=0.01"``; or ``"powersgd:rank=R"``, which registers
-            :func:`gradcomp.torch.powersgd_hook` with a :class:`gradcomp.torch.PowerSGDState`
-            instead (:func:`gradcomp.torch.powersgd.register_powersgd`) and returns that state.
-        state: a CompressionState (or a PowerSGDState) to register instead of a new one: e.g. a
+            ``"topk:ratio=0.01"``; or the spec of another protocol (:mod:`gradcomp.torch.protocol`'s
+            table), e.g. ``"powersgd:rank=R"``, which registers :func:`gradcomp.torch.powersgd_hook`
+            with a :class:`gradcomp.torch.PowerSGDState` (:func:`gradcomp.torch.powersgd.
+            register_powersgd`) and returns that state.
+        state: a CompressionState (or another protocol's state: a PowerSGDState) to register instead of a new one: e.g. a
             state loaded from a checkpoint, or the state of a DDP model whose step failed (DDP's
             reducer cannot go on after a failed backward: wrap the module in a new DDP model and
             register the same state on it; the failed step was undone).
@@ -549,29 +554,31 @@ def register(ddp_model, codec: Any = None, *, state: Optional[CompressionState] 
         ValueError, KeyError: as :class:`CompressionState` / :meth:`CompressionState.bind`.
     """
     check_ddp_model(ddp_model, "gradcomp.torch.register")
-    if state is None and isinstance(codec, str) and codec.partition(":")[0].strip() == "powersgd":
-        from .powersgd import register_powersgd
-
-        return register_powersgd(ddp_model, codec, **kwargs)
     if state is not None:
         if codec is not None:
             raise TypeError("gradcomp.torch.register: give codec= (a new state) or state= (an existing one), not both")
-        from .powersgd import PowerSGDState, powersgd_hook
-
-        if isinstance(state, PowerSGDState):
-            state.bind(ddp_model, **kwargs)
-            ddp_model.register_comm_hook(state, powersgd_hook)
-            return state
-        if not isinstance(state, CompressionState):
-            raise TypeError(f"gradcomp.torch.register: state={type(state).__name__}; accepted: a CompressionState "
-                            f"or a PowerSGDState")
+        try:
+            p = protocol.for_state(state)  # CompressionState, PowerSGDState, ...: the protocol table
+        except TypeError as e:
+            raise TypeError(f"gradcomp.torch.register: {e}") from None
         state.bind(ddp_model, **kwargs)
-    elif codec is None:
+        ddp_model.register_comm_hook(state, p.hook)
+        return state
+    if codec is None:
         raise TypeError("gradcomp.torch.register: codec is required (there is no default codec, as PyTorch's "
                         "hooks have no lossy default): e.g. codec='none' (exact), 'fp16' or 'bf16' (half the "
                         "bytes of float32), 'topk:ratio=0.01' (1% of the values, with error feedback); "
                         "gradcomp.codecs() lists them")
-    else:
-        state = CompressionState(ddp_model, codec, **kwargs)
+    return protocol.for_spec(codec).register(ddp_model, codec, **kwargs)
+
+
+def _register_codec(ddp_model, codec: Any, **kwargs) -> CompressionState:
+    """The ``codec`` protocol's ``register``: a :class:`CompressionState` registered with
+    :func:`compression_hook`."""
+    state = CompressionState(ddp_model, codec, **kwargs)
     ddp_model.register_comm_hook(state, compression_hook)
     return state
+
+
+protocol.add(protocol.Protocol(protocol.CODEC, (), Compressor, CompressionState, compression_hook, _register_codec,
+                               "any gradcomp.Codec through a scheme of gradcomp.schemes, with error feedback"))

@@ -59,10 +59,15 @@ import torch
 import torch.distributed as dist
 
 from .. import lowrank, planner
+from ..codec import _dtype_name as dtype_name
+from ..schemes.allreduce import dense as dense_scheme
+from ..schemes.allreduce import sum_allreduce
 from ..schemes.check import PeerCheck
-from ..schemes.context import chain, collective_failed, completed, prefer_mismatch
-from .compressor import check_allreduce_args
+from ..schemes.context import SchemeContext, chain, completed
+from . import protocol
+from .hook import check_ddp_model, hook_joins
 from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
+from .protocol import BaseCompressor, LossScale, check_allreduce_args
 from .residuals import NONFINITE_MODES, ResidualStore
 from .stats import Stats
 
@@ -231,7 +236,8 @@ class _LowRank:
 
     def __init__(self, group, rank: int, min_compression_rate: float, use_error_feedback: bool, warm_start: bool,
                  orthogonalization_epsilon: float, random_seed: int, nonfinite: str, q_init: str,
-                 batch_tensors_with_same_shape: bool, min_compress_numel: int, log_every: int):
+                 batch_tensors_with_same_shape: bool, min_compress_numel: int, log_every: int,
+                 on_corrupt: str = "raise"):
         _check(rank=rank, min_compression_rate=min_compression_rate, use_error_feedback=use_error_feedback,
                warm_start=warm_start, orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
                nonfinite=nonfinite, q_init=q_init, min_compress_numel=min_compress_numel, log_every=log_every)
@@ -252,7 +258,8 @@ class _LowRank:
         self.numel_before = 0
         self.numel_after = 0
         self.set_group(group)
-        self._stats = Stats(self.world_size, self.spec(), nonfinite, "raise", int(log_every))
+        self._stats = Stats(self.world_size, self.spec(), nonfinite, on_corrupt, int(log_every))
+        self.scale = LossScale()  # an attached GradScaler and the loss scale the residuals are in
         self._journal = StepJournal(self._rewind)  # undoes a failed step (gradcomp.torch.journal)
         self._verified: Dict[Any, tuple] = {}  # key -> call signature the ranks agreed on
 
@@ -398,6 +405,8 @@ class _LowRank:
             return completed(tensor)
         flat = tensor.view(-1)
         att = self._attempt(key)
+        if self.scale.due(self.iter):
+            self.scale.follow(self.store, self.iter)
         if tensor.layout != torch.strided or tensor.dtype not in SUPPORTED_DTYPES:
             self._warn_once(("dtype", tensor.dtype), f"gradcomp: PowerSGD: {_label(key)} of dtype {tensor.dtype} / "
                             f"layout {tensor.layout} takes the dense path (allreduce_hook)")
@@ -406,7 +415,7 @@ class _LowRank:
             return self._dense(att, tensor, key, entries)
         plan = self._plan(key, flat, entries)
         rec = att.rec
-        b = {key[0]: key[1], "numel": plan.numel, "dtype": str(plan.dtype).replace("torch.", ""), "scheme": "powersgd"}
+        b = {key[0]: key[1], "numel": plan.numel, "dtype": dtype_name(plan.dtype), "scheme": "powersgd"}
         b.update(planner.powersgd_bytes(plan.numel, plan.dtype, plan.dense_numel, plan.p_numel, plan.q_numel, W))
         self._stats.account(rec, b)
         probe = self._stats.probe(rec, b, plan.device, _label(key))
@@ -446,18 +455,15 @@ class _LowRank:
         if d:
             plan.comm1[:d].copy_(flat.index_select(0, plan.dense_idx))
         probe.tock("encode_s", t0)
-        t1 = probe.clock()
-        if check is not None:
-            check.launch()
-        try:
+        try:  # round 1, waited for here: [dense | P], summed
             if plan.comm1.numel():
-                dist.all_reduce(plan.comm1, group=self.group)  # [dense | P], summed
-            if check is not None:
+                sum_allreduce(plan.comm1, self.group, "PowerSGD: the allreduce of P (and of the tensors sent dense)",
+                              probe, check).wait()
+            elif check is not None:
+                check.launch()
                 check.verify()
         except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
-            e2 = collective_failed("PowerSGD: the allreduce of P (and of the tensors sent dense)", e)
-            raise self._failed(att, key, "powersgd", prefer_mismatch(check)(e2), undo) from e
-        probe.tock("comm_s", t1)
+            raise self._failed(att, key, "powersgd", e, undo) from e
         t2 = probe.clock()
         if d:
             flat.index_copy_(0, plan.dense_idx, (plan.comm1[:d] / W).to(plan.dtype))
@@ -507,14 +513,9 @@ class _LowRank:
 
         if not plan.q_numel:  # nothing compressed: one collective was all (no empty collective)
             return chain(completed(None), lambda _: finish(), on_error=on_error)
-        t3 = probe.clock()
-        work = dist.all_reduce(plan.q, group=self.group, async_op=True)
-
-        def done(_):
-            probe.tock("comm_s", t3)
-            return finish()
-
-        return chain(work.get_future(), done, "PowerSGD: the allreduce of Q", on_error=on_error, device=flat.device)
+        # round 2: Q, summed
+        q_sum = sum_allreduce(plan.q, self.group, "PowerSGD: the allreduce of Q", probe)
+        return chain(q_sum, lambda _: finish(), "PowerSGD: the allreduce of Q", on_error=on_error, device=flat.device)
 
     def _dense(self, att: Attempt, tensor, key, entries) -> torch.futures.Future:
         """PyTorch's allreduce_hook: divide by W, SUM allreduce (warm-up steps, other dtypes);
@@ -522,7 +523,7 @@ class _LowRank:
         back if the step fails)."""
         flat = tensor.view(-1)
         rec = att.rec
-        b = {key[0]: key[1], "numel": flat.numel(), "dtype": str(tensor.dtype).replace("torch.", ""), "scheme": "dense"}
+        b = {key[0]: key[1], "numel": flat.numel(), "dtype": dtype_name(tensor.dtype), "scheme": "dense"}
         b.update(planner.bucket_bytes("dense", None, flat.numel(), tensor.dtype, self.world_size))
         self._stats.account(rec, b)
         check = self._check(att, key, flat, None, "dense") if tensor.layout == torch.strided else None
@@ -534,25 +535,17 @@ class _LowRank:
             att.on_undo(undo)
             undo.flushed = self.store.flush(lay, flat)
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
-        t0 = probe.clock()
-        flat.div_(self.world_size)
-        if check is not None:
-            check.launch()
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        reduced = dense_scheme(flat, SchemeContext(None, self.group, self.world_size), probe=probe, check=check)
 
         def done(_):
-            probe.tock("comm_s", t0)
-            if check is not None:
-                check.verify()
             with self._journal.lock:
                 if att.failed:
                     undo.again()
                     raise self._not_applied(att, key, "dense")
             return tensor
 
-        return chain(work.get_future(), done, f"PowerSGD: {_label(key)}: the dense allreduce",
-                     on_error=lambda e: self._failed(att, key, "dense", prefer_mismatch(check)(e), undo),
-                     device=flat.device)
+        return chain(reduced, done, f"PowerSGD: {_label(key)}: the dense allreduce",
+                     on_error=lambda e: self._failed(att, key, "dense", e, undo), device=flat.device)
 
     def end_step(self) -> None:
         """End the step (the counter advances unless the step failed: it is then tried again)."""
@@ -602,6 +595,18 @@ class _LowRank:
     def stats(self) -> dict:
         return self._stats.summary()
 
+    def layouts(self) -> List[dict]:
+        """Per layout key: ``{"index" (bucket) or "name" (tensor), "numel", "dtype", "scheme":
+        "powersgd", "params": [(name, offset, length)] (offset order), "compressed" / "dense":
+        [(name, offset, length)], "groups": [(n, m, r, count)]}`` (elements)."""
+        out = []
+        for key, plan in self._plans.items():
+            out.append({key[0]: key[1], "numel": plan.numel, "dtype": dtype_name(plan.dtype),
+                        "scheme": "powersgd", "params": sorted(plan.compressed + plan.dense_names, key=lambda e: e[1]),
+                        "compressed": list(plan.compressed), "dense": list(plan.dense_names),
+                        "groups": [(g.n, g.m, g.r, len(g.names)) for g in plan.groups]})
+        return out
+
     def options(self) -> dict:
         """The options a checkpoint records (PowerSGDState's names)."""
         return {"matrix_approximation_rank": self.opts["rank"], "min_compression_rate": self.opts["min_compression_rate"],
@@ -613,7 +618,7 @@ class _LowRank:
         """This rank's state (see :meth:`PowerSGDState.state_dict`, without next_stats_report)."""
         self._stats.settle()
         return {"version": PICKLE_VERSION, "kind": "powersgd", "world_size": self.world_size, "rank": self.rank,
-                "iter": self.iter, "options": self.options(), "residuals": self.store.state(), "q": self.q_state(),
+                "iter": self.iter, "options": self.options(), "grad_scale": self.scale.value(), "residuals": self.store.state(), "q": self.q_state(),
                 "rng": self.rng.get_state(), "numel_before": self.numel_before, "numel_after": self.numel_after}
 
     def load_state_dict(self, sd: dict, strict: bool, who: str) -> None:
@@ -632,6 +637,9 @@ class _LowRank:
                 raise ValueError(msg + " (strict=False loads it anyway)")
             log.warning("gradcomp: %s; loading anyway (strict=False)", msg)
         self.iter = int(sd["iter"])
+        gs = float(sd.get("grad_scale", 1.0))
+        self.scale.unit = None if gs == 1.0 else torch.tensor(gs, dtype=torch.float32)
+        self.scale.step = -1
         self.numel_before = int(sd.get("numel_before", 0))
         self.numel_after = int(sd.get("numel_after", 0))
         if "rng" in sd:
@@ -776,8 +784,6 @@ class PowerSGDState:
         Raises:
             TypeError: ``ddp_model`` is not a DistributedDataParallel.
         """
-        from .hook import check_ddp_model, hook_joins
-
         check_ddp_model(ddp_model, "PowerSGDState")
         self._names = {id(p): name for name, p in ddp_model.module.named_parameters()}
         group = process_group if process_group is not None else ddp_model.process_group
@@ -830,14 +836,18 @@ class PowerSGDState:
 
     def bucket_layouts(self) -> List[dict]:
         """Per bucket index: ``{"index", "numel", "dtype", "compressed": [(name, offset, numel)],
-        "dense": [(name, offset, numel)], "groups": [(n, m, r, count)]}``."""
-        out = []
-        for key, plan in self._engine._plans.items():
-            if key[0] == "index":
-                out.append({"index": key[1], "numel": plan.numel, "dtype": str(plan.dtype).replace("torch.", ""),
-                            "compressed": list(plan.compressed), "dense": list(plan.dense_names),
-                            "groups": [(g.n, g.m, g.r, len(g.names)) for g in plan.groups]})
-        return sorted(out, key=lambda d: d["index"])
+        "dense": [(name, offset, numel)], "groups": [(n, m, r, count)]}`` (and ``scheme``,
+        ``params``: :meth:`PowerSGDCompressor.layouts`)."""
+        return sorted((d for d in self._engine.layouts() if "index" in d), key=lambda d: d["index"])
+
+    def attach_grad_scaler(self, scaler) -> None:
+        """Keep the residuals in the units of ``scaler``'s loss scale, as
+        :meth:`gradcomp.torch.Compressor.attach_grad_scaler` (None detaches).
+
+        Raises:
+            TypeError: not a ``torch.amp.GradScaler`` nor None.
+        """
+        self._engine.scale.attach(scaler)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _options(self) -> dict:
@@ -911,20 +921,28 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     return state._hook(bucket)
 
 
-class PowerSGDCompressor:
-    """PowerSGD for a training loop of your own: ``comp.allreduce(tensor, name)`` averages one
-    tensor (viewed as [shape[0], rest]) in place with its own residual and Q, keyed by ``name``;
-    ``gradcomp.torch.Compressor("powersgd:rank=4")`` returns one.
+class PowerSGDCompressor(BaseCompressor):
+    """PowerSGD for a training loop of your own, a peer of :class:`gradcomp.torch.Compressor`
+    (:class:`gradcomp.torch.protocol.BaseCompressor`): ``comp.allreduce(tensor, name)`` averages
+    one tensor (viewed as [shape[0], rest]) in place with its own residual and Q, keyed by
+    ``name``; ``allreduce_bucket`` a flat bucket of several; ``gradcomp.torch.Compressor(
+    "powersgd:rank=4")`` returns one.
 
     Args:
         spec: ``"powersgd:rank=R"`` with optional keys ``min_rate`` (min_compression_rate,
             default 2), ``warm_start`` (0/1, default 1), ``epsilon`` (default 0), ``seed``
             (default 0).
+        scheme: ``"auto"`` or ``"powersgd"`` (it has its own protocol: one float32 SUM allreduce
+            of [dense tensors | P], one of Q, :func:`gradcomp.planner.powersgd_bytes`).
         error_feedback, group, nonfinite, log_every: as :class:`gradcomp.torch.Compressor`.
+        on_corrupt: ``"raise"`` or ``"log"``, as :class:`gradcomp.torch.Compressor` (PowerSGD
+            sends float32 sums, not packets: no decode can find one corrupt, so it only
+            matters for the stats it shares).
         min_compress_numel: tensors with fewer elements are averaged dense (default 0).
 
     Raises:
-        ValueError: a bad spec key or value (the message lists the accepted keys).
+        ValueError: a bad spec key or value (the message lists the accepted keys), another
+            scheme, an unknown nonfinite or on_corrupt mode.
     """
 
     def __init__(self, spec: str = "powersgd", scheme: str = "auto", error_feedback: bool = True, group=None, *,
@@ -935,14 +953,27 @@ class PowerSGDCompressor:
         o = _parse_spec(spec)
         self._engine = _LowRank(group, o.get("rank", 1), o.get("min_rate", 2.0), error_feedback,
                                 o.get("warm_start", True), o.get("epsilon", 0.0), o.get("seed", 0), nonfinite,
-                                "philox", False, min_compress_numel, log_every)
+                                "philox", False, min_compress_numel, log_every, on_corrupt)
         self.spec = self._engine.spec()
         self.error_feedback = self._engine.error_feedback
+        self.scheme = scheme
         self._step_names: set = set()
+        self._schemes: Dict[Any, str] = {}  # layout key -> the scheme its last call used
 
     world_size = property(lambda self: self._engine.world_size)
     rank = property(lambda self: self._engine.rank)
+    group = property(lambda self: self._engine.group)
     iter = property(lambda self: self._engine.iter)
+    nonfinite = property(lambda self: self._engine.store.nonfinite)
+
+    @property
+    def on_corrupt(self) -> str:
+        """``"raise"`` or ``"log"`` (settable; validated)."""
+        return self._engine._stats.on_corrupt
+
+    @on_corrupt.setter
+    def on_corrupt(self, mode: str) -> None:
+        self._engine._stats.on_corrupt = mode  # validated there
 
     def allreduce(self, tensor: torch.Tensor, name: str) -> torch.futures.Future:
         """Average ``tensor`` (C-contiguous float32/float16/bfloat16; 2-D or more is compressed
@@ -956,16 +987,80 @@ class PowerSGDCompressor:
         if name in self._step_names:
             self.end_step()
         self._step_names.add(name)
-        return self._engine.reduce(tensor, ("name", name), [(name, 0, tuple(tensor.shape))])
+        key = ("name", name)
+        self._schemes[key] = "powersgd"
+        return self._engine.reduce(tensor, key, [(name, 0, tuple(tensor.shape))])
+
+    def allreduce_bucket(self, tensor: torch.Tensor, index: int, params, *, joined: bool = False,
+                         dense: bool = False, dense_reason: str = "") -> torch.futures.Future:
+        """Average a flat bucket holding several named tensors (what a DDP hook calls).
+
+        Args:
+            tensor: the flat bucket (1-D; float32/float16/bfloat16 compress, others go dense).
+            index: the bucket's id (int); other ``params`` at the same index are a new layout
+                (residuals and Qs follow their names).
+            params: ``[(name, offset, shape)]`` (offset in elements of ``tensor``; shape a tuple:
+                matrices of 2 or more dimensions are compressed) or a callable returning it; an
+                int in place of the shape is a 1-D length (sent dense, as every 1-D tensor).
+            joined: this rank has no data (DDP ``join()``): send exact zeros, keep the residuals.
+            dense: send this call dense (e.g. a warm-up); its residuals are flushed into it.
+            dense_reason: when not empty, why the bucket cannot be compressed: it goes dense,
+                with one warning per distinct reason.
+
+        Returns:
+            A Future holding ``tensor`` with the average. Raises as :meth:`allreduce`.
+        """
+        key = ("index", int(index))
+        if dense_reason:
+            self._engine._warn_once(("reason", dense_reason),
+                                    f"gradcomp: PowerSGD: bucket {int(index)} takes the dense path: {dense_reason}")
+            dense = True
+        self._schemes[key] = "dense" if dense else "powersgd"
+
+        def entries():
+            ent = params() if callable(params) else params
+            return [(n, int(o), (int(s),) if isinstance(s, (int, np.integer)) else tuple(s)) for n, o, s in ent]
+
+        return self._engine.reduce(tensor, key, entries, joined=joined, dense=dense)
 
     def end_step(self) -> None:
         """End the current step (a new Philox stream for the Qs drawn next)."""
         self._engine.end_step()
         self._step_names.clear()
 
+    def scheme_of(self, name: str) -> str:
+        """``"powersgd"`` or ``"dense"``: what ``allreduce(..., name)`` used last.
+
+        Raises:
+            KeyError: ``name`` has not been reduced yet.
+        """
+        try:
+            return self._schemes[("name", name)]
+        except KeyError:
+            raise KeyError(f"scheme_of: no tensor named {name!r} has been reduced") from None
+
+    def layouts(self) -> List[dict]:
+        """The current layouts (:meth:`_LowRank.layouts`: ``index`` or ``name``, ``numel``,
+        ``dtype``, ``scheme`` "powersgd", ``params``, ``compressed``, ``dense``, ``groups``)."""
+        return self._engine.layouts()
+
+    def attach_grad_scaler(self, scaler) -> None:
+        """Keep the residuals in the units of ``scaler``'s loss scale, as
+        :meth:`gradcomp.torch.Compressor.attach_grad_scaler` (None detaches).
+
+        Raises:
+            TypeError: not a ``torch.amp.GradScaler`` nor None.
+        """
+        self._engine.scale.attach(scaler)
+
+    @property
+    def grad_scaler(self):
+        """The attached GradScaler, or None."""
+        return self._engine.scale.scaler
+
     def state_dict(self) -> dict:
         """Per-rank state, as :meth:`PowerSGDState.state_dict`: residuals and Qs by name, ``iter``,
-        the options (residuals differ per rank: save one file per rank)."""
+        ``grad_scale``, the options (residuals differ per rank: save one file per rank)."""
         return self._engine.state_dict()
 
     def load_state_dict(self, sd: dict, strict: bool = True) -> None:
@@ -1007,3 +1102,8 @@ def register_powersgd(ddp_model, spec: str, *, error_feedback: bool = True, star
                           nonfinite=nonfinite, min_compress_numel=min_compress_numel, log_every=log_every)
     ddp_model.register_comm_hook(state, powersgd_hook)
     return state
+
+
+protocol.add(protocol.Protocol("powersgd", ("powersgd",), PowerSGDCompressor, PowerSGDState, powersgd_hook,
+                               register_powersgd, "low rank: two float32 allreduces of P and Q per bucket "
+                               "(Vogels et al., NeurIPS 2019)"))

@@ -66,6 +66,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..codec import _dtype_name as dtype_name
+
 NONFINITE_MODES = ("restore", "reset")
 
 ParamMap = Sequence[Tuple[str, int, int]]
@@ -321,7 +323,7 @@ class ResidualStore:
         out = []
         for lay, t in self.server_slots():
             start, count, world = lay.chunk
-            out.append({"key": lay.key, "numel": lay.numel, "dtype": _dtype_str(lay.dtype),
+            out.append({"key": lay.key, "numel": lay.numel, "dtype": dtype_name(lay.dtype),
                         "params": list(lay.params), "start": start, "count": count,
                         "world_size": world, "residual": t.detach().clone()})
         for e in self._pending_server:
@@ -454,10 +456,6 @@ class ResidualStore:
             self._pending.pop(key, None)
 
 
-def _dtype_str(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _key(key):
     """A layout key as saved (a tuple, or a list after some serializers) back to a tuple."""
     return tuple(key) if isinstance(key, list) else key
@@ -466,6 +464,6 @@ def _key(key):
 def _matches(lay: Layout, e: dict) -> bool:
     """Whether the saved server residual ``e`` belongs to ``lay`` exactly: key, numel, dtype,
     parameter map, chunk and world size (the device may differ)."""
-    return (e["key"] == lay.key and int(e["numel"]) == lay.numel and e["dtype"] == _dtype_str(lay.dtype)
+    return (e["key"] == lay.key and int(e["numel"]) == lay.numel and e["dtype"] == dtype_name(lay.dtype)
             and [tuple(p) for p in e["params"]] == list(lay.params)
             and lay.chunk == (int(e["start"]), int(e["count"]), int(e["world_size"])))

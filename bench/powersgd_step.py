@@ -2,7 +2,7 @@
 
 What is measured: one DDP training step (zero_grad, forward, backward; the hook runs inside
 backward and DDP waits for its futures at the end of it) on W gloo processes (default 4;
-torch.multiprocessing spawn through gradcomp.torch.pool.GlooPool, one thread each, the CPU of this
+torch.multiprocessing spawn through gradcomp.experiments.pool.GlooPool, one thread each, the CPU of this
 machine shared), for two models:
 
   mlp25m  a synthetic MLP 1024 -> 4096 -> 4096 -> 1024 (25.2M parameters, float32), batch 2;
@@ -137,7 +137,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--hooks", nargs="+", default=["gradcomp", "pytorch"], choices=["gradcomp", "pytorch"])
     a = ap.parse_args(argv)
-    from gradcomp.torch.pool import GlooPool
+    from gradcomp.experiments.pool import GlooPool
 
     pool = GlooPool(a.world, threads=1)
     try:

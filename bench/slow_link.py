@@ -417,7 +417,7 @@ def run_setup(bench, kind, rate, calib, codecs, models, hier):
     """One setup: its namespace(s), a pool of W ranks inside, every (model, codec, scheme) row."""
     from gradcomp import Codec
     from gradcomp.experiments import links
-    from gradcomp.torch.pool import GlooPool
+    from gradcomp.experiments.pool import GlooPool
 
     ctx = links.shaped_loopback(rate) if kind == "lo" else links.two_nodes(rate, ranks_per_node=L)
     model = cost_model(kind, rate, calib["alpha_s"])
@@ -562,7 +562,7 @@ one), IPv4 20, TCP with timestamps 32."""
 def calibrate(bench, models):
     """alpha, the DDP bucket layouts and the compute times, on an unshaped loopback namespace."""
     from gradcomp.experiments import links
-    from gradcomp.torch.pool import GlooPool
+    from gradcomp.experiments.pool import GlooPool
 
     a = bench.a
     out = {"layouts": {}, "compute_s": {}, "params": {}}

@@ -8,8 +8,8 @@ import sys
 _MODULE_MARKERS = {
     "multiproc": ("test_charlm", "test_compressor", "test_ddp_hook", "test_deepspeed_backend",
                   "test_deepspeed_integration", "test_experiment", "test_failures", "test_hierarchical",
-                  "test_links", "test_optim", "test_parity", "test_powersgd", "test_torch_integration",
-                  "test_two_phase"),
+                  "test_links", "test_optim", "test_parity", "test_pool", "test_powersgd", "test_protocol",
+                  "test_scheme_keys", "test_stochastic_rounding", "test_torch_integration", "test_two_phase"),
     "deepspeed": ("test_deepspeed_backend", "test_deepspeed_integration"),
     "netns": ("test_links",),
 }
@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # the gloo pools shared by the session (gloo_pools.py)
-    pools = sys.modules.get("gloo_pools")
+    # the gloo pools shared by the session (gradcomp.experiments.pool.shared: ddp_helpers.run,
+    # gloo_pools.py), if any module made one
+    pools = sys.modules.get("gradcomp.experiments.pool")
     if pools is not None:
-        pools.close_all()
+        pools.close_shared()

@@ -1,9 +1,10 @@
 """Helpers shared by the modules that run DDP jobs on real gloo ranks (test_ddp_hook and the
 scheme, hook, optimizer and DeepSpeed-backend modules): ``run`` (a job on the session's pool of
-``world`` ranks, gloo_pools.py), the models (Params, Reordered, Zoo), deterministic gradients, the
-DDP wrapper, the recording hook, bit views, the independent numpy reference of top-k through the
-gather scheme (topk_average_ref / ref_topk / check_topk_logs), the no-host-sync guard and the
-world-size-change check. A module of its own, so that no test module imports another (issue 20)."""
+``world`` ranks, the library's shared pools: ``gradcomp.experiments.pool.shared``), the models
+(Params, Reordered, Zoo), deterministic gradients, the DDP wrapper, the recording hook, bit views,
+the independent numpy reference of top-k through the gather scheme (topk_average_ref / ref_topk /
+check_topk_logs), the no-host-sync guard and the world-size-change check. A module of its own, so
+that no test module imports another (issue 20)."""
 
 import math
 import warnings
@@ -14,15 +15,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gradcomp.torch as gt
-import gloo_pools
-
-
-def _pool(world):
-    return gloo_pools.pool(world)  # the session's pools (gloo_pools.py: spawned once, closed at the end)
+from gradcomp.experiments.pool import shared
 
 
 def run(world, fn, *args):
-    return _pool(world).run(fn, *args, timeout=240)
+    """``fn(rank, world, *args)`` on every rank of the session's pool of ``world`` ranks (spawned
+    on first use, closed at the session's end by conftest.py); the W results in rank order."""
+    return shared(world).run(fn, *args, timeout=240)
 
 
 # ---------------------------------------------------------------------------------------------

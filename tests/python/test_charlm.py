@@ -124,7 +124,7 @@ def test_val_offsets():
 
 
 def test_charlm_plan(monkeypatch):
-    from gradcomp.experiments import __main__ as cli
+    from gradcomp.experiments import args as cli_args
     from gradcomp.experiments.__main__ import parse_args, plan_charlm_runs
 
     a = parse_args([])
@@ -157,7 +157,7 @@ def test_charlm_plan(monkeypatch):
         assert e.value.code == 2, bad
     # without the PowerSGD hook: the default lists leave its rows out and say so, an explicit
     # powersgd spec is an argparse error
-    monkeypatch.setattr(cli, "powersgd_available", lambda: False)
+    monkeypatch.setattr(cli_args, "powersgd_available", lambda: False)  # what parse_args calls
     a = parse_args(["--task", "charlm"])
     assert [r["codec"] for r in plan_charlm_runs(a.charlm)] == ["none", "fp16", "topk:ratio=0.01"]
     assert a.notes == ["charlm: left out powersgd:rank=2, powersgd:rank=4: gradcomp.torch.powersgd cannot be "
@@ -214,9 +214,9 @@ def test_charlm_end_to_end(tmp_path):
 
 @pytest.fixture(scope="module")
 def pool():
-    import gloo_pools
+    from gradcomp.experiments.pool import shared
 
-    return gloo_pools.pool(2)  # the session's 2-rank pool (gloo_pools.py; one thread per rank, the default)
+    return shared(2)  # the session's 2-rank pool (one thread per rank, the default; closed by conftest.py)
 
 
 def _run(pool, **kw):

@@ -1,6 +1,6 @@
 """gradcomp.torch.Compressor on real gloo process groups (2 and 3 CPU processes, spawn), outside DDP.
 
-The processes live in pools (gradcomp.torch.pool.GlooPool, gloo_pools.py) shared by the session;
+The processes live in pools (gradcomp.experiments.pool.GlooPool, gloo_pools.py) shared by the session;
 the assertions run inside the ranks. Inputs come from generators seeded with (SEED, rank, step,
 name); every assertion message names the seed.
 

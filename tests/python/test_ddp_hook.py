@@ -1,6 +1,6 @@
 """gradcomp.torch DDP hook with real gloo process groups (2 or 4 CPU processes, spawn).
 
-The processes live in a pool (gradcomp.torch.pool.GlooPool) shared by the session (gloo_pools.py);
+The processes live in a pool (gradcomp.experiments.pool.GlooPool) shared by the session (gloo_pools.py);
 each test runs a job function in every rank and the assertions run inside the ranks.
 
 Bitwise comparisons (exact bits; floats compared as integer views so NaN and -0.0 count):

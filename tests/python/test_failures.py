@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow  # processes killed and stalled, gloo timeouts: th
 torch = pytest.importorskip("torch")
 
 import gradcomp  # noqa: E402
-from gradcomp.torch.pool import GlooPool  # noqa: E402
+from gradcomp.experiments.pool import shared  # noqa: E402
 
 import failure_jobs  # noqa: E402
 
@@ -185,21 +185,20 @@ def test_planted_bug_is_caught():
 
 
 # ---- injected failures, in a shared pool ---------------------------------------------------------
-_POOL = {}
+_USED = set()
 
 
 def _pool(world):
-    p = _POOL.get(world)
-    if p is None or p.closed:
-        # GRADCOMP_EXIT_WAIT_S: after the mismatch cases 'order', 'skip', 'powersgd' and 'headers'
-        # (and the injected failures) a rank still holds 1-2 of chain's callbacks at exit, and its
-        # exit would wait the default 10 s for them, then warn (~24 s of the module's teardown)
-        p = _POOL[world] = GlooPool(world, gloo_timeout_s=30.0, env=[{"GRADCOMP_EXIT_WAIT_S": "1"}] * world)
+    # GRADCOMP_EXIT_WAIT_S: after the mismatch cases 'order', 'skip', 'powersgd' and 'headers'
+    # (and the injected failures) a rank still holds 1-2 of chain's callbacks at exit, and its
+    # exit would wait the default 10 s for them, then warn (~24 s of the module's teardown)
+    p = shared(world, gloo_timeout_s=30.0, env=[{"GRADCOMP_EXIT_WAIT_S": "1"}] * world)
+    _USED.add(p)
     return p
 
 
 def teardown_module(module):
-    for p in _POOL.values():
+    for p in _USED:  # these pools' options are this module's: free their processes now
         p.close()
 
 

@@ -19,6 +19,7 @@ np = pytest.importorskip("numpy")
 
 from gradcomp import planner  # noqa: E402
 from gradcomp.experiments import links  # noqa: E402
+from gradcomp.experiments.pool import GlooPool  # noqa: E402
 
 OK, WHY = links.available()
 needs_root = pytest.mark.skipif(not OK, reason=f"links not available here: {WHY}")
@@ -119,8 +120,6 @@ def test_tbf_params():
 
 
 def test_pool_rejects_bad_netns_and_env():
-    from gradcomp.torch.pool import GlooPool
-
     with pytest.raises(ValueError, match="sequence of 2 namespace names"):
         GlooPool(2, netns=["a"])
     with pytest.raises(ValueError, match="sequence of 2 namespace names"):
@@ -188,22 +187,31 @@ def test_two_nodes_created_and_removed():
 # gloo ranks inside them
 # ----------------------------------------------------------------------------------------------
 
+def _allreduce_in(net, world, counters):
+    """On a pool of ``world`` ranks inside ``net``'s namespaces (``rank_netns`` / ``rank_env``):
+    :func:`job_where`, then :func:`job_allreduce` between two reads of ``counters()`` (the
+    setup's qdisc counters), its sums checked. Returns ``(where, inodes, before, after)``:
+    each rank's job_where, the inode of each of ``net.namespaces`` (read while they exist), and
+    the two counter reads."""
+    with GlooPool(world, threads=1, netns=net.rank_netns(world), env=net.rank_env(world)) as pool:
+        where = pool.run(job_where)
+        inodes = [os.stat(os.path.join(links.NETNS_DIR, ns)).st_ino for ns in net.namespaces]
+        before = counters()
+        out = pool.run(job_allreduce)
+        after = counters()
+    _check_sum(out, world)
+    return where, inodes, before, after
+
+
 @needs_root
 def test_pool_in_shaped_loopback_allreduce_and_bytes():
-    from gradcomp.torch.pool import GlooPool
-
     W = 4
     with links.shaped_loopback("1gbit") as net:
-        with GlooPool(W, threads=1, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
-            where = pool.run(job_where)
-            ino = os.stat(f"/var/run/netns/{net.namespaces[0]}").st_ino
-            assert [w[0] for w in where] == [ino] * W  # every rank in the namespace
-            assert os.stat("/proc/self/ns/net").st_ino != ino  # and this process is not
-            assert all(w[1] == "lo" and w[2] == ["127.0.0.1"] for w in where)
-            before = net.qdisc_bytes()
-            out = pool.run(job_allreduce)
-            sent = net.qdisc_bytes() - before
-        _check_sum(out, W)
+        where, (ino,), before, after = _allreduce_in(net, W, net.qdisc_bytes)
+    assert [w[0] for w in where] == [ino] * W  # every rank in the namespace
+    assert os.stat("/proc/self/ns/net").st_ino != ino  # and this process is not
+    assert all(w[1] == "lo" and w[2] == ["127.0.0.1"] for w in where)
+    sent = after - before
     # every rank's bytes cross the one loopback qdisc: W * 2 (W-1)/W * 4 N = 6 * 4 MiB
     predicted = W * _dense_sent(W)
     assert predicted == 6 * 4 * N
@@ -212,20 +220,12 @@ def test_pool_in_shaped_loopback_allreduce_and_bytes():
 
 @needs_root
 def test_pool_in_two_nodes_allreduce_and_veth_bytes():
-    from gradcomp.torch.pool import GlooPool
-
     W = 4
     with links.two_nodes("1gbit") as net:
-        with GlooPool(W, threads=1, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
-            where = pool.run(job_where)
-            inos = [os.stat(f"/var/run/netns/{ns}").st_ino for ns in net.namespaces]
-            assert [w[0] for w in where] == [inos[0]] * 2 + [inos[1]] * 2
-            assert [w[2] for w in where] == ([sorted([net.addresses[0], "127.0.0.1"])] * 2
-                                             + [sorted([net.addresses[1], "127.0.0.1"])] * 2)
-            before = net.qdisc_stats()
-            out = pool.run(job_allreduce)
-            after = net.qdisc_stats()
-        _check_sum(out, W)
+        where, inos, before, after = _allreduce_in(net, W, net.qdisc_stats)
+    assert [w[0] for w in where] == [inos[0]] * 2 + [inos[1]] * 2
+    assert [w[2] for w in where] == ([sorted([net.addresses[0], "127.0.0.1"])] * 2
+                                     + [sorted([net.addresses[1], "127.0.0.1"])] * 2)
     # gloo's ring runs rank r -> r + 1: 0 -> 1 and 2 -> 3 stay inside a node, 1 -> 2 and 3 -> 0
     # cross, so each veth direction carries one rank's bytes, 2 (W-1)/W * 4 N
     predicted = _dense_sent(W)
@@ -240,8 +240,6 @@ def test_timed_train_run_matches_train_run():
     """The --link job: the same parameters bit for bit as runner.train_run, plus a curve whose
     last accuracy is the run's test accuracy."""
     pytest.importorskip("sklearn")
-    from gradcomp.torch.pool import GlooPool
-
     cfg = dict(epochs=3, lr=0.07, momentum=0.9, batch_size=48, hidden=32, bucket_cap_mb=0.1, weight_decay=5e-4,
                codec="topk:ratio=0.1", optimizer="sgd", error_feedback=True, seed=0)
     with links.shaped_loopback("1gbit") as net:

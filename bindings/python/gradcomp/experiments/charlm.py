@@ -214,7 +214,7 @@ def make_model(embed: int, hidden: int, layers: int = 2):
 
 
 def train_run(rank: int, world: int, cfg: dict) -> dict:
-    """One charlm training run on this rank (a :class:`gradcomp.torch.pool.GlooPool` job).
+    """One charlm training run on this rank (a :class:`gradcomp.experiments.pool.GlooPool` job).
 
     ``cfg`` keys: codec (spec), error_feedback (bool), seed (int), steps, optimizer ("adam" or
     "sgd"), lr (peak), momentum (Adam's beta1 or SGD's momentum), clip (gradient l2 norm; 0:
@@ -234,7 +234,7 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ..torch.pool import report
+    from .pool import report
     from .runner import register_hook
 
     t_start = time.perf_counter()

@@ -38,6 +38,10 @@ The queue ``limit`` (bytes) = rate x 0.5 s, at least 64 MiB: large enough that T
 small-queue limit of ~4 MiB per socket and up to W(W-1) sockets) never overflows it, so nothing
 is dropped and retransmitted (:meth:`Setup.qdisc_stats` reports ``dropped``; the bench prints it).
 
+Ranks enter their namespace with :func:`enter_netns` (setns(2); it and :func:`namespace_exists`
+come from :mod:`gradcomp.experiments.netns`), which :class:`gradcomp.experiments.pool.GlooPool`
+calls in each worker given ``netns=Setup.rank_netns(W)``.
+
 Requirements (:func:`available`): root (CAP_NET_ADMIN and CAP_SYS_ADMIN), ``ip`` and ``tc``
 (iproute2), tbf and veth in the kernel.
 """
@@ -54,6 +58,8 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
+
+from .netns import CLONE_NEWNET, NETNS_DIR, enter_netns, namespace_exists  # noqa: F401 (links' names too)
 
 MIN_BURST_BYTES = 66_000
 """Smallest tbf bucket (bytes): one 64 KiB GSO packet (``gso_max_size`` 65,536 on loopback and
@@ -174,7 +180,7 @@ def _del_ns(name: str) -> Optional[str]:
     with _lock:
         _live.pop(name, None)
     r = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
-    if r.returncode != 0 and os.path.exists(f"/var/run/netns/{name}"):
+    if r.returncode != 0 and namespace_exists(name):
         return r.stderr.strip() or f"exit {r.returncode}"
     return None
 
@@ -190,11 +196,6 @@ def live_namespaces() -> List[str]:
     """Namespaces this process created and has not removed yet (empty outside the contexts)."""
     with _lock:
         return list(_live)
-
-
-def namespace_exists(name: str) -> bool:
-    """Whether ``/var/run/netns/<name>`` exists (a namespace ``ip netns add`` made)."""
-    return os.path.exists(f"/var/run/netns/{name}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,7 +427,7 @@ def timed_train_run(rank: int, world: int, cfg: dict) -> dict:
     "test_accuracy"}]`` (rank 0's; empty on the other ranks).
 
     How: for the duration of the call, ``runner.make_model`` is wrapped to keep the model it
-    builds and ``gradcomp.torch.pool.report`` (which rank 0 calls once per epoch, after the
+    builds and ``gradcomp.experiments.pool.report`` (which rank 0 calls once per epoch, after the
     epoch's last step and its loss allreduce) to evaluate that model on the test set under
     ``torch.no_grad()`` first. The evaluation changes no parameter, RNG or module mode, so the
     run's parameters are bitwise those of ``train_run`` with the same configuration; its time is
@@ -436,7 +437,7 @@ def timed_train_run(rank: int, world: int, cfg: dict) -> dict:
     """
     import torch
 
-    from ..torch import pool as pool_mod
+    from . import pool as pool_mod
     from . import runner
 
     made: list = []

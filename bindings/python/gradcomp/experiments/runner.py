@@ -54,13 +54,11 @@ def make_model(hidden: int):
 def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int):
     """Register the gradcomp hook of a run on the DDP model and return its state (whose
     ``stats()`` the run reports): ``gradcomp.torch.register`` with the codec spec, error feedback
-    and ``start_iter``; for a :class:`gradcomp.Codec` spec also scheme ``auto`` and
-    ``min_compress_numel=0`` (every bucket compressed), for a ``powersgd:rank=R`` spec (the
-    low-rank hook, which ``register`` dispatches to) nothing more. Both tasks register this way."""
+    and ``start_iter``, scheme ``auto`` and ``min_compress_numel=0`` (every bucket compressed),
+    whatever the protocol (a ``powersgd:rank=R`` spec gets the low-rank hook's state from the
+    protocol table, :mod:`gradcomp.torch.protocol`). Both tasks register this way."""
     import gradcomp.torch as gt
 
-    if codec.partition(":")[0].strip() == "powersgd":
-        return gt.register(ddp, codec=codec, error_feedback=error_feedback, start_iter=start_iter)
     return gt.register(ddp, codec=codec, error_feedback=error_feedback, scheme="auto", start_iter=start_iter,
                        min_compress_numel=0)
 
@@ -76,7 +74,7 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ..torch.pool import report
+    from .pool import report
 
     t_start = time.perf_counter()
     xtr, ytr, xte, yte = load_data()

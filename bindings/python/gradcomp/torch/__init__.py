@@ -34,7 +34,8 @@ checkpoints and the byte accounting; the README's "Compressed allreduce for any 
 compressor protocol implements, :class:`BaseCompressor`, and the protocol table that
 ``Compressor(spec)`` and ``register`` read), ``compressor`` (the codec protocol's allreduce),
 ``hook`` (DDP), ``powersgd`` (the low-rank protocol: Vogels et al., NeurIPS 2019), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
-reads, the log handler), ``pool`` (a gloo process pool for tests and experiments).
+reads, the log handler); ``pool`` only re-exports :mod:`gradcomp.experiments.pool` (the gloo process
+pool of the tests and experiments), its old home.
 
 Sources: PyTorch DDP communication hooks (``torch.distributed.algorithms.ddp_comm_hooks``,
 ``DistributedDataParallel.register_comm_hook``); top-k sparsification with error feedback: Aji &

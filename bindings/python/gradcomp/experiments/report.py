@@ -1,0 +1,357 @@
+"""The report of ``gradcomp-experiment``: from the runs of :func:`gradcomp.experiments.sweep.run`,
+per task one row per run (:func:`digits_rows`, :func:`charlm_rows`), the summary over seeds
+(:func:`summarize`), the Markdown table (:func:`format_table`, :func:`format_charlm_table`), the
+CSV, the JSON and one PNG plot (:func:`plot`, both tasks), written into ``--out`` under the names of
+:data:`OUTPUT_FILES`, and what goes to stdout (:func:`write`).
+
+Units: accuracies in percent, bits per character, ratios as fractions (the tables print them as
+percentages), bytes per step, times in seconds (per run, summed over its steps).
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+from typing import Callable, Dict, List, Optional, TextIO
+
+from .args import OPTIMIZERS
+
+CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "test_accuracy", "final_loss",
+               "packet_ratio", "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
+               "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
+               "decode_s", "comm_s", "train_s", "wall_s", "workers", "epochs"]
+
+CHARLM_CSV_COLUMNS = ["codec", "scheme", "error_feedback", "seed", "val_bpc", "final_loss", "packet_ratio",
+                      "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
+                      "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
+                      "decode_s", "comm_s", "train_s", "eval_s", "wall_s", "workers", "params"]
+
+# output file names per task: table, csv, json, plot
+OUTPUT_FILES = {
+    "digits": {"table": "table.md", "csv": "results.csv", "json": "results.json", "plot": "accuracy_vs_bits.png"},
+    "charlm": {"table": "charlm_table.md", "csv": "charlm_results.csv", "json": "charlm_results.json",
+               "plot": "charlm_bpc_vs_bits.png"},
+}
+
+
+def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "acc") -> List[dict]:
+    """Group runs by (codec, error_feedback): mean, std (sample, 0 for one seed), min and max of
+    ``metric`` (keys ``{prefix}_mean``, ``_std``, ``_min``, ``_max``; digits: test accuracy, acc_*;
+    charlm: val_bpc, bpc_*), and the means of the final loss, the ratios and times."""
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["codec"], r["error_feedback"]), []).append(r)
+    out = []
+    for (codec, ef), rs in groups.items():
+        vals = [r[metric] for r in rs]
+
+        def mean(k):
+            return statistics.fmean(r[k] for r in rs)
+
+        s = {"codec": codec, "scheme": "/".join(sorted({r.get("scheme", "") for r in rs})),
+             "error_feedback": ef, "runs": len(rs),
+             f"{prefix}_mean": statistics.fmean(vals),
+             f"{prefix}_std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+             f"{prefix}_min": min(vals), f"{prefix}_max": max(vals)}
+        for k in ("final_loss", "packet_ratio", "wire_ratio", "bits_per_element", "encode_s", "decode_s",
+                  "comm_s", "train_s", "wall_s"):
+            s[k] = mean(k)
+        if all("eval_s" in r for r in rs):
+            s["eval_s"] = mean("eval_s")
+        out.append(s)
+    return out
+
+
+def format_table(summary: List[dict], workers: int, link: Optional[dict] = None) -> str:
+    """The digits Markdown table of the summary (accuracy in percent, mean +- sample std over seeds).
+    With ``link`` (:func:`link_target`'s dict, under ``--link``) four more columns: the mean time
+    to the target accuracy over the seeds that reached it (s), its mean epoch, how many seeds
+    reached it, and the mean wall time of a run (s); and a line saying what the target is."""
+    head = ("| codec | scheme | EF | runs | test acc % (mean ± std) | min–max | final loss | packet_ratio | "
+            "wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
+    ncol = 14
+    if link is not None:
+        goal = "target" if link["target"] is None else f"{link['target']:.2f}%"
+        head += f" time to {goal} s | epoch | reached | run wall s |"
+        ncol += 4
+    sep = "|" + "---|" * ncol
+    lines = [head, sep]
+    for s in summary:
+        line = (
+            f"| {s['codec']} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
+            f"{s['acc_mean']:.2f} ± {s['acc_std']:.2f} | {s['acc_min']:.2f}–{s['acc_max']:.2f} | "
+            f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
+            f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
+            f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
+        if link is not None:
+            t, e = s.get("time_to_target_s"), s.get("epochs_to_target")
+            line += (f" {'-' if t is None else f'{t:.2f}'} | {'-' if e is None else f'{e:.1f}'} | "
+                     f"{s.get('reached', 0)}/{s['runs']} | {s['wall_s']:.2f} |")
+        lines.append(line)
+    lines.append("")
+    lines.append(f"W = {workers} gloo workers (CPU). Ratios are totals over all buckets and steps; "
+                 f"wire_ratio is against a ring allreduce of the dense buckets (2(W-1)/W x dense bytes). "
+                 f"Times are per run, summed over steps, seconds; comm s is launch-to-completion per "
+                 f"bucket and overlaps the backward pass.")
+    if link is not None:
+        lines.append("")
+        lines.append(f"Link: {link['description']}. Target accuracy {link['target']:.2f}% = 98% of the mean final "
+                     f"test accuracy of the dense run (codec none, SGD, no error feedback) of this sweep, "
+                     f"{link['dense']:.2f}%; time to target = wall time from a run's start (model build) to the end "
+                     f"of the first epoch whose test accuracy reaches it, per-epoch evaluation excluded, mean over "
+                     f"the seeds that reached it ('-': none did); run wall s = the whole run (mean)."
+                     if link["target"] is not None else
+                     f"Link: {link['description']}. No target accuracy: the sweep has no dense run (codec none, "
+                     f"SGD, no error feedback) to take 98% of.")
+    return "\n".join(lines)
+
+
+TARGET_FRACTION = 0.98
+"""Under ``--link``: the target accuracy is this fraction of the dense run's mean final accuracy."""
+
+
+def link_target(rows: List[dict], summary: List[dict], description: str) -> dict:
+    """Under ``--link``: the target accuracy (``TARGET_FRACTION`` of the mean final test accuracy
+    of the SGD runs of codec none without error feedback; None when the sweep has none), each
+    run's ``time_to_target_s`` / ``epochs_to_target`` (None: not reached; from its ``curve``),
+    and per summary group ``time_to_target_s`` / ``epochs_to_target`` (means over the seeds that
+    reached it, None if none did) and ``reached`` (how many did). Rows and groups are updated in
+    place; returns ``{"description", "target" (percent or None), "dense" (percent or None)}``."""
+    from .links import time_to_target
+
+    dense = [r["test_accuracy"] for r in rows
+             if r["codec"] == "none" and r.get("optimizer", "sgd") == "sgd" and not r["error_feedback"]]
+    base = statistics.fmean(dense) if dense else None
+    target = TARGET_FRACTION * base if base is not None else None
+    for r in rows:
+        t, e = time_to_target(r.get("curve", []), target) if target is not None else (None, None)
+        r["time_to_target_s"], r["epochs_to_target"] = t, e
+    for s in summary:
+        mine = [r for r in rows if r["codec"] == s["codec"] and r["error_feedback"] == s["error_feedback"]]
+        hit = [r for r in mine if r["time_to_target_s"] is not None]
+        s["reached"] = len(hit)
+        s["time_to_target_s"] = statistics.fmean(r["time_to_target_s"] for r in hit) if hit else None
+        s["epochs_to_target"] = statistics.fmean(r["epochs_to_target"] for r in hit) if hit else None
+    return {"description": description, "target": target, "dense": base}
+
+
+def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict, params: int,
+                        notes: List[str]) -> str:
+    """The charlm Markdown table: validation bits per character (mean +- sample std over seeds,
+    min-max), the final training loss (bits per character, the last 10 steps' mean), the ratios
+    and the times (seconds per run); a footer with the corpus, the model and the training setup."""
+    head = ("| codec | scheme | EF | runs | val bits/char (mean ± std) | min–max | final train bits/char | "
+            "packet_ratio | wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
+    sep = "|" + "---|" * 14
+    lines = [head, sep]
+    for s in summary:
+        lines.append(
+            f"| {s['codec']} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
+            f"{s['bpc_mean']:.4f} ± {s['bpc_std']:.4f} | {s['bpc_min']:.4f}–{s['bpc_max']:.4f} | "
+            f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
+            f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
+            f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
+    lines.append("")
+    lines.append(
+        f"W = {a.workers} gloo workers (CPU). Corpus: {corpus['train_files'] + corpus['val_files']} *.py files of "
+        f"{corpus['stdlib']} ({corpus['bytes']} bytes, sha256 {corpus['sha256'][:16]}...), "
+        f"{corpus['train_files']} for training ({corpus['train_chars']} characters), {corpus['val_files']} "
+        f"held out ({corpus['val_chars']} characters); vocabulary {corpus['vocab_size']} classes (uniform: "
+        f"{math.log2(corpus['vocab_size']):.3f} bits/char). Model: 2-layer LSTM, embed {a.embed}, hidden "
+        f"{a.hidden}, {params} parameters. {a.steps} steps of {a.batch_size} windows x {a.seq_len} characters "
+        f"per rank, {a.optimizer} (peak lr {a.lr:g}, cosine decay, clip {a.clip:g}); val bits/char over "
+        f"{a.val_windows} windows ({a.val_windows * a.seq_len} characters). Ratios are totals over all buckets "
+        f"and steps; wire_ratio is against a ring allreduce of the dense buckets. Times are per run, seconds.")
+    for n in notes:
+        lines.append("")
+        lines.append(f"Note: {n}.")
+    return "\n".join(lines)
+
+
+# the plot of each task: the summary's metric (key prefix; mean with min..max bars over seeds)
+# against bits per element (log x). "series": (error feedback: True / False, or None for the
+# optimizer rows of OPTIMIZERS; marker; colour; legend label; vertical label offset in points);
+# "best": where a label shared by points of the same bits per element goes (max or min of their
+# means); "x_margin": matplotlib's x margin (None: its default)
+PLOTS = {
+    "digits": {"prefix": "acc", "best": max, "legend": "lower right", "x_margin": None,
+               "series": ((False, "o", "tab:red", "SGD, no error feedback", 5),
+                          (True, "s", "tab:blue", "SGD, error feedback", -10),
+                          (None, "^", "tab:green", "Adam / 1-bit Adam", 5)),
+               "ylabel": "test accuracy, % (mean; bars: min-max over seeds)",
+               "title": "digits MLP, {workers} DDP workers: accuracy vs compression"},
+    "charlm": {"prefix": "bpc", "best": min, "legend": "upper right", "x_margin": 0.1,
+               "series": ((False, "o", "tab:red", "no error feedback", -10),
+                          (True, "s", "tab:blue", "error feedback", 5)),
+               "ylabel": "validation bits per character (mean; bars: min-max over seeds)",
+               "title": "char-level LSTM on the Python stdlib, {workers} DDP workers: bits/char vs compression"},
+}
+
+
+def plot(summary: List[dict], path: str, workers: int, task: str = "digits") -> None:
+    """PNG (``path``) of one task's summary (:func:`summarize`): the mean metric (digits: test
+    accuracy, %; charlm: validation bits per character, lower is better) against bits per element,
+    log x, error bars min..max over seeds, one series per error-feedback setting (digits also the
+    optimizer rows), each point labelled with its codec; the dense run (codec none without error
+    feedback) as a dashed line. ``task``: a key of :data:`PLOTS`.
+
+    Raises:
+        KeyError: an unknown task.
+    """
+    spec = PLOTS[task]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = spec["prefix"] + "_mean"
+    lo, hi = spec["prefix"] + "_min", spec["prefix"] + "_max"
+    opt_labels = {label for label, _ in OPTIMIZERS.values()}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for ef, marker, color, label, dy in spec["series"]:
+        pts = sorted((s for s in summary if (s["codec"] in opt_labels if ef is None else
+                                             s["error_feedback"] == ef and s["codec"] not in opt_labels)),
+                     key=lambda s: s["bits_per_element"])
+        if not pts:
+            continue
+        x = [s["bits_per_element"] for s in pts]
+        y = [s[key] for s in pts]
+        yerr = [[s[key] - s[lo] for s in pts], [s[hi] - s[key] for s in pts]]
+        ax.errorbar(x, y, yerr=yerr, fmt=marker, color=color, capsize=3, linestyle="none", label=label)
+        _annotate(ax, pts, key, color, dy, spec["best"])
+    dense = [s[key] for s in summary if s["codec"] == "none" and not s["error_feedback"]]
+    if dense:
+        ax.axhline(dense[0], color="gray", linestyle="--", linewidth=0.8, label="dense (codec none)")
+    ax.set_xscale("log")
+    if spec["x_margin"] is not None:
+        ax.margins(x=spec["x_margin"])
+    ax.set_xlabel("bits per gradient element (8 x packet bytes / numel, log scale)")
+    ax.set_ylabel(spec["ylabel"])
+    ax.set_title(spec["title"].format(workers=workers))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc=spec["legend"])
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _annotate(ax, pts: List[dict], key: str, color: str, dy: int, pick: Callable) -> None:
+    """One label per point; codecs with the same bits per element (fp16, bf16) share it, placed at
+    ``pick`` (max or min) of their ``key`` values."""
+    labels: Dict[float, List[str]] = {}
+    for s in pts:
+        labels.setdefault(round(s["bits_per_element"], 6), []).append(
+            s["codec"].replace("topk:ratio=", "top-k ").replace("powersgd:rank=", "PowerSGD r"))
+    for s in pts:
+        k = round(s["bits_per_element"], 6)
+        if k not in labels:
+            continue
+        same = [t for t in pts if round(t["bits_per_element"], 6) == k]
+        ax.annotate("/".join(labels.pop(k)), (s["bits_per_element"], pick(t[key] for t in same)),
+                    textcoords="offset points", xytext=(4, dy), fontsize=7, color=color)
+
+
+def _json_default(o):
+    return None if isinstance(o, float) and math.isnan(o) else str(o)
+
+
+def write_files(paths: Dict[str, str], table: str, wall: float, columns: List[str], rows: List[dict],
+                js: dict) -> None:
+    """Write one task's table (with the sweep's wall time, seconds), CSV (``columns`` of
+    ``rows``; other keys left out) and JSON (``js``; NaN as null) to ``paths``."""
+    with open(paths["table"], "w") as f:
+        f.write(table + f"\n\nSweep wall time: {wall:.1f} s\n")
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    with open(paths["json"], "w") as f:
+        json.dump(js, f, indent=1, default=_json_default)
+
+
+def digits_rows(plans: List[dict], results: List[list], workers: int, epochs: int) -> List[dict]:
+    """One row per digits run: rank 0's result's :data:`CSV_COLUMNS`, the run's codec, optimizer,
+    error feedback and seed, W, the epochs, the per-epoch training loss and (under ``--link``)
+    the per-epoch ``curve``."""
+    rows = []
+    for cfg, res in zip(plans, results):
+        r0 = res[0]
+        row = {k: r0[k] for k in CSV_COLUMNS if k in r0}
+        row.update(codec=cfg["codec"], optimizer=cfg["optimizer"], error_feedback=cfg["error_feedback"],
+                   seed=cfg["seed"], workers=workers, epochs=epochs, train_loss=r0["train_loss"])
+        if "curve" in r0:
+            row["curve"] = r0["curve"]
+        rows.append(row)
+    return rows
+
+
+def charlm_rows(plans: List[dict], results: List[list], workers: int) -> List[dict]:
+    """One row per charlm run: rank 0's result's :data:`CHARLM_CSV_COLUMNS`, the run's codec,
+    error feedback and seed, W and the training loss per progress interval."""
+    rows = []
+    for cfg, res in zip(plans, results):
+        r0 = res[0]
+        row = {k: r0[k] for k in CHARLM_CSV_COLUMNS if k in r0}
+        row.update(codec=cfg["codec"], error_feedback=cfg["error_feedback"], seed=cfg["seed"],
+                   workers=workers, train_loss=r0["train_loss"])
+        rows.append(row)
+    return rows
+
+
+def _digits(a: argparse.Namespace, sw: argparse.Namespace):
+    task = "digits"
+    t = a.digits
+    rows = digits_rows(sw.plans[task], sw.results[task], a.workers, t.epochs)
+    summary = summarize(rows)
+    columns, link = CSV_COLUMNS, None
+    if sw.link_desc is not None:
+        link = link_target(rows, summary, sw.link_desc)
+        columns = CSV_COLUMNS + ["time_to_target_s", "epochs_to_target"]
+    table = format_table(summary, a.workers, link)
+    if a.notes and any(n.startswith("digits:") for n in a.notes):
+        table += "".join(f"\n\nNote: {n}." for n in a.notes if n.startswith("digits:"))
+    config = dict(vars(t), task=task, full=a.full, out=a.out)
+    js = {"config": config, "wall_s": sw.walls[task], "runs": rows, "summary": summary}
+    if link is not None:
+        js["link"] = dict(link, rate=a.link, nodes=a.link_nodes, setup=sw.link_setup)
+    return rows, summary, table, columns, js
+
+
+def _charlm(a: argparse.Namespace, sw: argparse.Namespace):
+    task = "charlm"
+    t = a.charlm
+    rows = charlm_rows(sw.plans[task], sw.results[task], a.workers)
+    summary = summarize(rows, metric="val_bpc", prefix="bpc")
+    params = rows[0]["params"]
+    notes = [n for n in a.notes if n.startswith("charlm:")]
+    if sw.link_desc is not None:
+        notes.append(f"charlm: run behind {sw.link_desc} (the time to a target is reported for digits only)")
+    table = format_charlm_table(summary, t, sw.corpus, params, notes)
+    config = dict(vars(t), task=task, full=a.full, out=a.out, params=params)
+    js = {"config": config, "corpus": sw.corpus, "wall_s": sw.walls[task], "runs": rows, "summary": summary}
+    return rows, summary, table, CHARLM_CSV_COLUMNS, js
+
+
+def write(a: argparse.Namespace, sw: argparse.Namespace, out: TextIO) -> List[Dict[str, str]]:
+    """Write every task's files into ``a.out`` (:data:`OUTPUT_FILES`; ``a`` from
+    :func:`gradcomp.experiments.args.parse_args`, ``sw`` from :func:`gradcomp.experiments.sweep.run`)
+    and print to ``out`` each task's table with its run count and wall time, the total, and the
+    absolute path of every file. Returns the paths written, per task in ``a.tasks`` order
+    (``{"table", "csv", "json", "plot"}`` each)."""
+    written = []
+    for task in a.tasks:
+        paths = {k: os.path.join(a.out, f) for k, f in OUTPUT_FILES[task].items()}
+        rows, summary, table, columns, js = (_digits if task == "digits" else _charlm)(a, sw)
+        write_files(paths, table, sw.walls[task], columns, rows, js)
+        plot(summary, paths["plot"], a.workers, task)
+        out.write(f"## {task}\n\n{table}\n\n{len(rows)} {task} runs in {sw.walls[task]:.1f} s\n\n")
+        written.append(paths)
+    out.write(f"{sw.total_runs} runs in {sw.wall_all:.1f} s (with the workers' start)\n")
+    for paths in written:
+        for k in ("table", "csv", "json", "plot"):
+            out.write(f"{k:6s}: {os.path.abspath(paths[k])}\n")
+    out.flush()
+    return written

@@ -24,6 +24,7 @@
 #include "common/quant.hpp"
 #include "cuda/plan.hpp"
 #include "gradcomp/gradcomp.hpp"
+#include "gpu_guard.hpp"
 #include "seed.hpp"
 
 namespace {
@@ -35,23 +36,6 @@ using gradcomp::DeviceKind;
 using gradcomp::DType;
 using gradcomp::Tensor;
 
-bool has_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-// Without a GPU every test skips, unless GRADCOMP_REQUIRE_GPU=1 (tests/gpu/run.sh sets it on the GPU
-// machine, so that a run cannot pass empty): then it fails.
-bool gpu_required() {
-  const char* e = std::getenv("GRADCOMP_REQUIRE_GPU");
-  return e != nullptr && std::string(e) == "1";
-}
-#define REQUIRE_GPU()                                                                              \
-  do {                                                                                             \
-    if (!has_gpu()) {                                                                              \
-      if (gpu_required()) FAIL() << "GRADCOMP_REQUIRE_GPU=1 but cudaGetDeviceCount reports no device"; \
-      GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";                          \
-    }                                                                                              \
-  } while (0)
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
 const Device kGpu{DeviceKind::cuda, 0};
@@ -682,7 +666,7 @@ void check_planted_topk(int64_t n, const std::vector<int64_t>& where, DType inde
   CK(cudaMemGetInfo(&free_b, &total_b));
   const size_t need = size_t(n) * 2 + size_t(pb) + size_t(wb) + (size_t(1) << 28);
   if (free_b < need) {
-    if (gpu_required() && total_b >= need) FAIL() << "needs " << need / (1 << 20) << " MiB, " << free_b / (1 << 20) << " free";
+    if (::gradcomp_test::gpu_required() && total_b >= need) FAIL() << "needs " << need / (1 << 20) << " MiB, " << free_b / (1 << 20) << " free";
     GTEST_SKIP() << "needs " << need / (1 << 20) << " MiB of device memory, " << free_b / (1 << 20) << " free";
   }
   DevBuf dx(static_cast<size_t>(n) * 2), dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));

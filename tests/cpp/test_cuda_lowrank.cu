@@ -35,6 +35,7 @@
 
 #include "gradcomp/gradcomp.hpp"
 #include "gradcomp/lowrank.hpp"
+#include "gpu_guard.hpp"
 #include "seed.hpp"
 
 namespace {
@@ -46,21 +47,6 @@ using gradcomp::Stream;
 using gradcomp::Tensor;
 namespace lr = gradcomp::lowrank;
 
-bool has_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-bool gpu_required() {
-  const char* e = std::getenv("GRADCOMP_REQUIRE_GPU");
-  return e != nullptr && std::string(e) == "1";
-}
-#define REQUIRE_GPU()                                                                              \
-  do {                                                                                             \
-    if (!has_gpu()) {                                                                              \
-      if (gpu_required()) FAIL() << "GRADCOMP_REQUIRE_GPU=1 but cudaGetDeviceCount reports no device"; \
-      GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";                          \
-    }                                                                                              \
-  } while (0)
 
 const Device kGpu{DeviceKind::cuda, 0};
 const Device kCpu{DeviceKind::cpu, 0};

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "gradcomp/gradcomp.hpp"
+#include "gpu_guard.hpp"
 #include "seed.hpp"
 #include "sround_ref.hpp"
 
@@ -33,21 +34,6 @@ using gradcomp::DType;
 using gradcomp::EncodeContext;
 using gradcomp::Tensor;
 
-bool has_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-bool gpu_required() {
-  const char* e = std::getenv("GRADCOMP_REQUIRE_GPU");
-  return e != nullptr && std::string(e) == "1";
-}
-#define REQUIRE_GPU()                                                                              \
-  do {                                                                                             \
-    if (!has_gpu()) {                                                                              \
-      if (gpu_required()) FAIL() << "GRADCOMP_REQUIRE_GPU=1 but cudaGetDeviceCount reports no device"; \
-      GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";                          \
-    }                                                                                              \
-  } while (0)
 
 const Device kGpu{DeviceKind::cuda, 0};
 const char* kSpec = "bf16:rounding=stochastic";

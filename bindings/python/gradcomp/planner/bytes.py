@@ -148,6 +148,13 @@ def bucket_bytes(scheme: str, codec, numel: int, dtype: Any, world_size: int, *,
     return out
 
 
+def onebit_slot_bytes(chunk_numel: int) -> int:
+    """The all-to-all slot of DeepSpeed's 1-bit allreduce for a chunk of ``chunk_numel`` = C
+    elements (a multiple of 8): its sign bits and the sender's float32 scale, C / 8 + 4 bytes
+    (:mod:`gradcomp.schemes.onebit_allreduce` sends these; :func:`onebit_allreduce_bytes` counts them)."""
+    return int(chunk_numel) // 8 + 4
+
+
 def onebit_allreduce_bytes(codec, padded_numel: int, world_size: int) -> float:
     """Bytes one rank sends in one DeepSpeed-style error-compensated 1-bit allreduce as
     :class:`gradcomp.deepspeed.OnebitBackend` runs it (also the compressed momentum exchange of
@@ -164,7 +171,7 @@ def onebit_allreduce_bytes(codec, padded_numel: int, world_size: int) -> float:
     if Np % (8 * W) != 0:
         raise ValueError(f"planner: padded_numel={Np} is not a multiple of 8 * world size = {8 * W}")
     C = Np // W
-    return float(all_gather_bytes(C // 8 + 4, W) + all_gather_bytes(int(codec.packet_bytes(C, "float32")), W))
+    return float(all_gather_bytes(onebit_slot_bytes(C), W) + all_gather_bytes(int(codec.packet_bytes(C, "float32")), W))
 
 
 def summarize(totals: Mapping[str, float]) -> Dict[str, float]:

@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple
 
 from ..codec import _dtype_name
 from . import schemes as _schemes
-from .bytes import chunk_size, decode_traffic_bytes, encode_traffic_bytes, hierarchical_steps, scheme_steps
+from .bytes import decode_traffic_bytes, encode_traffic_bytes, scheme_steps
 from .table import throughput as _table_throughput
 
 
@@ -286,19 +286,22 @@ class CostModel:
         time is paced by the hops that cross the network (in a rank-order ring only the node's
         boundary rank sends across, at the ring's full volume).
 
+        A scheme of the table that is not flat (its steps are on the link levels: hierarchical)
+        gets the model's L, ``inner`` and engine as its layout options and runs on both links.
+
         Raises:
-            ValueError: hierarchical on a model of one node, or an unknown scheme.
+            ValueError: a scheme on link levels on a model of one node, or an unknown scheme.
         """
         W = int(world_size)
         nodes = self.nodes(W)
-        if scheme == "hierarchical":
+        desc = _schemes.get(scheme)
+        if not desc.flat:
             if nodes < 2:
-                raise ValueError("planner: hierarchical needs a cost model with local_world_size > 0, "
+                raise ValueError(f"planner: {scheme} needs a cost model with local_world_size > 0, "
                                  f"an inter link and more than one node (W={W}, L={self.local_world_size})")
-            L = self.local_world_size
-            steps = hierarchical_steps(codec, numel, dtype, W, L, inner, self.engine)
-            enc, dec = _kernel_time(inner, codec, chunk_size(numel, L), "float32", nodes, self.throughput,
-                                    self.error_feedback)
+            opts = desc.options(local_world_size=self.local_world_size, inner=inner, engine=self.engine)
+            steps = desc.steps(codec, numel, dtype, W, **opts)
+            enc, dec = desc.kernels(codec, numel, dtype, W, self.throughput, self.error_feedback, **opts)
             links = {"intra": self.intra, "inter": self.inter}
         else:
             steps = scheme_steps(scheme, codec, numel, dtype, W)
@@ -315,14 +318,14 @@ class CostModel:
                 "total_s": comm + enc + dec, "bytes": by}
 
     def _load(self, scheme: str, level: str, kind: str, world_size: int) -> float:
-        """How many ranks' volumes cross a ``per_node`` inter link at once: hierarchical's L
-        cross-node groups all leave the node together (L); a flat ring leaves each node over one
-        hop per direction (1); a flat all-to-all sends the fraction (W - L) / (W - 1) of each of
-        the node's L ranks' slots off the node."""
+        """How many ranks' volumes cross a ``per_node`` inter link at once: the L cross-node groups
+        of a scheme on link levels (hierarchical: one per local rank) all leave the node together
+        (L); a flat ring leaves each node over one hop per direction (1); a flat all-to-all sends
+        the fraction (W - L) / (W - 1) of each of the node's L ranks' slots off the node."""
         if level != "inter" or not self.inter.per_node:
             return 1.0
         L, W = self.local_world_size, int(world_size)
-        if scheme == "hierarchical":
+        if not _schemes.get(scheme).flat:
             return float(L)
         return L * (W - L) / (W - 1) if kind == "all_to_all" else 1.0
 
@@ -345,7 +348,7 @@ class CostModel:
         must match the model's for hierarchical to be a candidate."""
         preds = []
         for s, inner in self.candidates(codec, numel, dtype, world_size):
-            if s == "hierarchical" and local_world_size != self.local_world_size:
+            if not _schemes.get(s).flat and local_world_size != self.local_world_size:
                 continue
             preds.append(self.predict(s, codec, numel, dtype, world_size, inner))
         best = preds[0]

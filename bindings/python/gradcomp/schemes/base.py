@@ -21,10 +21,10 @@ its name:
   these (:mod:`gradcomp.planner`); their primitives (ring formulas, chunking) live there;
 - ``packet_bytes(codec, numel, dtype, world_size, **options) -> int``: the bytes this rank
   encodes into for a bucket (the ``packet_bytes`` of ``stats()``);
-- ``kernels(codec, numel, dtype, world_size, throughput, error_feedback) -> (encode_s,
-  decode_s)``: torch-free, the seconds one rank spends in encode / decode kernels (flat schemes;
-  ``throughput`` has ``encode_s(codec, numel, dtype, error_feedback)`` and ``decode_s(codec,
-  numel, dtype)``);
+- ``kernels(codec, numel, dtype, world_size, throughput, error_feedback, **options) ->
+  (encode_s, decode_s)``: torch-free, the seconds one rank spends in encode / decode kernels
+  (``throughput`` has ``encode_s(codec, numel, dtype, error_feedback)`` and ``decode_s(codec,
+  numel, dtype)``; hierarchical: its inner scheme's on one chunk);
 - ``server(ctx) -> (start, count) | None``: the elements of the bucket this rank's server
   residual covers (schemes that re-encode a sum: two_phase), else None;
 - ``route(codec, numel, dtype, config) -> dict``: the layout options of a new layout that runs

@@ -190,8 +190,15 @@ def _hierarchical_packet(codec, numel: int, dtype, world_size: int, *, local_wor
     return int(table.get(inner).packet_bytes(codec, c, "float32", nodes)) if c else 0
 
 
-def _hierarchical_kernels(codec, numel, dtype, world_size, tp, ef):
-    raise ValueError("planner: hierarchical's kernel times are its inner scheme's (CostModel.predict)")
+def _hierarchical_kernels(codec, numel, dtype, world_size, tp, ef, *, local_world_size: int, inner: str,
+                          engine: str = "nccl"):
+    """The inner scheme's kernel times on this rank's float32 chunk of ceil(numel / L) elements
+    over the N nodes (none for N < 2 or an empty chunk): only the inter-node hop is encoded."""
+    nodes, L = hierarchical_groups(world_size, local_world_size)
+    c = chunk_size(numel, L)
+    if nodes < 2 or c == 0:
+        return 0.0, 0.0
+    return table.get(inner).kernels(codec, c, "float32", nodes, tp, ef)
 
 
 def _server_of_chunk(ctx) -> Optional[tuple]:

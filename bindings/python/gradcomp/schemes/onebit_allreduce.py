@@ -79,6 +79,7 @@ import torch.distributed as dist
 
 from ..codec import Codec, aligned_empty
 from ..errors import in_context
+from ..planner.bytes import onebit_slot_bytes
 from .check import check_headers
 from .collectives import all_gather_failsafe
 from .context import collective_failed
@@ -192,7 +193,7 @@ class OnebitAllreduce:
         lay = self.codec.layout(Np, "float32")["sections"]
         boff, soff = lay[0][1], lay[1][1]
         cb = C // 8
-        send = torch.empty(W, cb + 4, dtype=torch.uint8, device=buf.device)
+        send = torch.empty(W, onebit_slot_bytes(C), dtype=torch.uint8, device=buf.device)  # [signs | scale]
         send[:, :cb] = p1[boff: boff + Np // 8].view(W, cb)
         send[:, cb:] = p1[soff: soff + 4].view(1, 4)
         recv = torch.empty_like(send)

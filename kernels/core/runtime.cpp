@@ -256,8 +256,8 @@ int64_t steady_ns() {
 void note_team_skew(int threads, int64_t skew_ns) noexcept {
   if (threads <= 1 || !adaptive.load(std::memory_order_relaxed)) return;
   if (skew_ns > kSkewBusy) {
-    // two skewed regions in a row (one alone is scheduler noise on a shared machine: seen 2 ms
-    // once in a few hundred idle calls)
+    // two skewed regions in a row (one alone is scheduler noise on a shared machine: bench/RESULTS.md,
+    // section "kernels/core/runtime.cpp: one skewed region")
     if (skewed_in_a_row.fetch_add(1, std::memory_order_relaxed) + 1 >= kSkewedToBusy)
       busy_until.store(steady_ns() + kBusyHold, std::memory_order_relaxed);
   } else {

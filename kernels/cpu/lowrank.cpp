@@ -21,11 +21,10 @@
 // gradcomp's loops (ranks 2..16; every rank without OpenBLAS) depend on the variant (or on the
 // thread count).
 //
-// gradcomp's project / back_project loops read M once (OpenBLAS's sgemm packs M first, a copy: at
-// rank 4 on a 4096 x 4096 matrix, one thread of this 2-core Zen 4 VM, sgemm took 10-11 ms, sgemv
-// at rank 1 about 3.5 ms and a memcpy of the same 64 MiB 7 ms; these loops 3 ms at rank 2, 4 ms at
-// rank 4, 6-7 ms at rank 8, 9 ms at rank 16, compute-bound there). No FMA: binary32 products and
-// sums, never contracted (-ffp-contract=off), in a fixed order per output element:
+// gradcomp's project / back_project loops read M once (OpenBLAS's sgemm packs M first, a copy;
+// the timings: bench/RESULTS.md, section "kernels/cpu/lowrank.cpp: the loops against OpenBLAS").
+// No FMA: binary32 products and sums, never contracted (-ffp-contract=off), in a fixed order per
+// output element:
 //  - project, P[i][k] = sum_j M[i][j] Q[j][k]: 16 partial sums per (i, k), lane l summing
 //    j = l, l + 16, ... ascending from +0 (fl(s + fl(M[i][j] Q[j][k]))), then added in a fixed
 //    tree (lanes 8 apart, then 4, 2, 1). Q_b is first transposed into a thread's scratch by groups
@@ -37,23 +36,9 @@
 //    own slices of whole 16-column groups of every row (no reduction between threads). A slice's
 //    Qt [rank][block of 65536 / rank columns] (a thread's scratch, L2) takes 8 rows of M at a time
 //    held in registers, each row's product added in turn, then is written to Q transposed.
-// Measured against OpenBLAS (one thread; bench/bench_cpu.cpp BM_Lowrank; 4096 x 4096, 1024 x
-// 25088, 2048 x 512, batches of 1 and 8): 1.5-4x faster at ranks 2..8 on every shape, and at rank
-// 16 back_project 1.4-1.8x; rank 16 project is 1.3-1.7x faster at 4096 x 4096, even at 1024 x
-// 25088, about 10% slower on one 2048 x 512 matrix (4 MiB, cache-resident: compute-bound, where
-// sgemm's FMA kernel wins). Above 16 project is compute-bound and loses to sgemm (ranks 24, 32),
-// hence the bound. Rank 1 stays on sgemv (these loops: the same at 4096 x 4096, faster at 1024 x
-// 25088, slower at 2048 x 512).
-// Without OpenBLAS (GRADCOMP_BLAS=OFF against AUTO with Debian's OpenBLAS 0.3.21; BM_Lowrank,
-// 4096 x 4096, count 1; 2-core AMD EPYC (Zen 4, AVX-512) VM, GRADCOMP_NATIVE=ON, 2026-12-03), one
-// thread (OpenBLAS run with OPENBLAS_NUM_THREADS=1), ms, these loops / OpenBLAS:
-//   project       rank 1: 2.6 / 2.6 (sgemv)   rank 4: 4.3 / 3.8 (the same loops: noise)   rank 32: 22.3 / 18.4 (sgemm)
-//   back_project  rank 1: 2.9 / 2.6 (sgemv)   rank 4: 3.7 / 3.9                           rank 32:  8.4 / 19.2 (sgemm)
-// so at most 1.2x slower (rank 32 project), 2.3x faster at rank 32 back_project (sgemm packs M^T).
-// Two threads (OpenBLAS on its default two; ranges of three runs, this VM is noisy), ms: project
-// rank 1 2.7-3.1 / 1.9-2.3, rank 4 3.4-3.7 / 3.3-3.9, rank 32 15.2-19.0 / 14.8-24.1; back_project
-// rank 1 2.7-3.8 / 1.8-2.2, rank 4 3.3-5.2 / 3.2-3.9, rank 32 7.3-10.3 / 14.7-24.6: rank 1 about
-// 1.4x slower on two threads (memory-bound: gradcomp's rank 1 does not gain from the second).
+// Against OpenBLAS (bench/bench_cpu.cpp BM_Lowrank; bench/RESULTS.md, section "kernels/cpu/lowrank.cpp:
+// the loops against OpenBLAS"): faster at ranks 2..16 on large matrices, slower above 16 where
+// project is compute-bound and sgemm's FMA kernel wins (hence the bound), rank 1 on sgemv.
 //
 // Threads. Every step on gradcomp's loops runs on gradcomp's thread count (cpu_threads_for: 1
 // below 64 Ki elements, else get_num_threads(), or 1 while a core is found contended), in OpenMP

@@ -179,11 +179,8 @@ def _key(key: Any) -> tuple[int, int, int, int]:
 class Codec:
     """A gradient codec built from a spec string ``name[:key=value,...]``.
 
-    Codecs (``gradcomp.codecs()`` lists them with their keys and example specs): ``none``,
-    ``fp16``, ``bf16`` (round-to-nearest-even casts, linear; ``bf16:rounding=stochastic`` rounds
-    stochastically and is keyed: see ``encode(key=...)``) and ``topk`` (exact top-k by
-    magnitude; keys ``ratio`` in (0, 1] or ``k`` >= 0, ``index`` = auto|u32|u64, ``value_dtype``
-    = auto|float32|float16|bfloat16). The README describes each codec and the packet format.
+    The codecs are the registry's (``gradcomp.codecs()``; the list at the end of this docstring
+    is generated from it at import); the README describes each codec and the packet format.
 
     Raises:
         InvalidArgumentError: unknown codec name or key, or an out-of-range value; ``powersgd``
@@ -509,3 +506,15 @@ def check(workspace: Any, stream: Any = None, clear: bool = True) -> int:
 def build_info() -> dict:
     """Version, CUDA on/off, CUDA architectures and toolkit, OpenMP, DLPack version."""
     return _C.build_info()
+
+
+def _registry_doc() -> str:
+    """The docstring part that lists the registry (name, keys, an example, the summary)."""
+    lines = ["", "    Registered codecs (from ``gradcomp.codecs()``):", ""]
+    for c in codecs():
+        keys = ", ".join(c["keys"]) or "no keys"
+        lines.append(f"    - ``{c['name']}`` ({keys}; e.g. ``{c['examples'][0]}``): {c['summary']}")
+    return "\n".join(lines) + "\n"
+
+
+Codec.__doc__ = (Codec.__doc__ or "") + _registry_doc()

@@ -28,12 +28,13 @@ largest burst): tc-tbf(8) asks for at least rate / HZ bytes so the rate is reach
 timer tick per refill, and the floor of 66,000 bytes holds one 64 KiB GSO packet of loopback or
 of the veth (their ``gso_max_size`` is 65,536; a tbf segments a larger packet) with its headers.
 At HZ = 250 that is 66,000 B at 100 Mb/s (rate / HZ = 50 kB), 500 kB at 1 Gb/s and 5 MB at
-10 Gb/s; measured here with one TCP stream: 0.100, 1.000 and 9.85 Gb/s. A token bucket lends
+10 Gb/s (what one TCP stream then reaches: bench/RESULTS.md, section "experiments/links.py: the
+shaped links measured"). A token bucket lends
 what an idle link did not use, up to the burst: a transfer that starts after an idle gap runs
 the first ``burst`` bytes at the CPU's speed, i.e. up to burst / rate = max(1 / HZ, 66,000 B /
 rate) seconds (4 ms at 1 and 10 Gb/s, 5.3 ms at 100 Mb/s) faster than a real link of that rate
-(a ``peakrate`` would remove it, but costs 4.5 % of the rate at 1 Gb/s and 30 % at 10 Gb/s
-here, so it is not used).
+(a ``peakrate`` would remove it, but costs a share of the rate that grows with it, the same
+section, so it is not used).
 The queue ``limit`` (bytes) = rate x 0.5 s, at least 64 MiB: large enough that TCP (with its
 small-queue limit of ~4 MiB per socket and up to W(W-1) sockets) never overflows it, so nothing
 is dropped and retransmitted (:meth:`Setup.qdisc_stats` reports ``dropped``; the bench prints it).

@@ -48,9 +48,8 @@ CAST_CODECS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """The 16-bit cast codecs and their wire dtype: on a 16-bit tensor they save nothing."""
 
 PICKLE_VERSION = 2
-"""Format of a pickled Compressor; 2 added local_world_size, inner_scheme and cost_model (later
-also seed, read as 0 when absent; a
-version-1 pickle loads with their defaults)."""
+"""Format of a pickled Compressor; 2 added local_world_size, inner_scheme and cost_model (a
+version-1 pickle loads with their defaults), and later seed (read as 0 when absent)."""
 
 def scheme_choices() -> Tuple[str, ...]:
     """The ``scheme`` values: ``"auto"`` and every scheme of the table (:mod:`gradcomp.schemes.table`)."""

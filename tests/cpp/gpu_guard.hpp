@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// The CUDA tests' guard: without a GPU every test skips, unless GRADCOMP_REQUIRE_GPU=1
+// The CUDA tests' guard and their bitwise comparisons (first_diff, first_diff_f): without a GPU every test skips, unless GRADCOMP_REQUIRE_GPU=1
 // (tests/gpu/run.sh sets it on the GPU machine, so that a run cannot pass empty): then it fails.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -20,6 +24,26 @@ inline bool has_gpu() {
 inline bool gpu_required() {
   const char* e = std::getenv("GRADCOMP_REQUIRE_GPU");
   return e != nullptr && std::string(e) == "1";
+}
+
+//! Index of the first differing byte, or -1 (sizes that differ: the shorter size).
+inline int64_t first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return int64_t(i);
+  return -1;
+}
+
+//! Index of the first float whose bits differ (NaN payloads and -0.0 included), or -1.
+inline int64_t first_diff_f(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
+  for (size_t i = 0; i < a.size(); ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, &a[i], 4);
+    std::memcpy(&y, &b[i], 4);
+    if (x != y) return int64_t(i);
+  }
+  return -1;
 }
 
 } // namespace gradcomp_test

@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ref.hpp"  // ref::bits / ref::from_bits
+
 namespace sref {
 
 struct U4 {
@@ -63,17 +65,6 @@ struct Stream {
   }
 };
 
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 //! The spacing of the bfloat16 grid just above |a| (a finite, >= 0): 2^-133 below 2^-126 (the
 //! subnormals), else 2^(e - 7) for a in [2^e, 2^(e+1)).
 inline double bf16_gap(double a) {
@@ -94,7 +85,7 @@ inline uint16_t round_sr(float y, uint32_t r16) {
   const double frac = (a - lo) / gap * 65536.0; // an integer in [0, 65536)
   const double q = frac + double(r16) >= 65536.0 ? lo + gap : lo;
   if (q >= std::ldexp(1.0, 128)) return sign | 0x7F80;  // past the largest finite bfloat16
-  return uint16_t(sign | (f32_bits(float(q)) >> 16));  // q is a bfloat16 value: exact in float32
+  return uint16_t(sign | (ref::bits(float(q)) >> 16));  // q is a bfloat16 value: exact in float32
 }
 
 } // namespace sref

@@ -203,19 +203,8 @@ Encoded encode_gpu(const Codec& c, const std::vector<uint8_t>& x, DType t, int64
   return e;
 }
 
-//! Index of the first differing byte, or -1.
-int64_t first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) return int64_t(i);
-  return -1;
-}
-int64_t first_diff_f(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
-  for (size_t i = 0; i < a.size(); ++i)
-    if (fbits(a[i]) != fbits(b[i])) return int64_t(i);
-  return -1;
-}
+using gradcomp_test::first_diff;
+using gradcomp_test::first_diff_f;
 
 gradcomp::PacketHeader make_ref_header(const Codec& c, int64_t n, DType in, DType wire, DType index, int64_t main) {
   gradcomp::PacketHeader h{};

@@ -60,8 +60,8 @@ std::vector<uint8_t> random_input(int64_t n, DType t, uint64_t seed) {
   std::vector<uint8_t> b(static_cast<size_t>(n * dsize(t)));
   for (int64_t i = 0; i < n; ++i) {
     float v = nd(g);
-    if (g() % 64 == 0) v = sref::bits_f32(uint32_t(g()));  // any bit pattern: NaN, inf, subnormal, huge
-    const uint32_t u = sref::f32_bits(v);
+    if (g() % 64 == 0) v = ref::from_bits(uint32_t(g()));  // any bit pattern: NaN, inf, subnormal, huge
+    const uint32_t u = ref::bits(v);
     if (t == DType::float32) {
       std::memcpy(b.data() + 4 * i, &u, 4);
     } else {
@@ -81,12 +81,12 @@ float load_input(const std::vector<uint8_t>& b, DType t, int64_t i) {
   }
   uint16_t h;
   std::memcpy(&h, b.data() + 2 * i, 2);
-  if (t == DType::bfloat16) return sref::bits_f32(uint32_t(h) << 16);
+  if (t == DType::bfloat16) return ref::from_bits(uint32_t(h) << 16);
   // float16 -> float32, exact
   const uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-  if (e == 0x1F) return sref::bits_f32(s | 0x7F800000u | (m << 13));
+  if (e == 0x1F) return ref::from_bits(s | 0x7F800000u | (m << 13));
   if (e == 0) return (s ? -1.0f : 1.0f) * std::ldexp(float(m), -24);
-  return sref::bits_f32(s | ((e + 112) << 23) | (m << 13));
+  return ref::from_bits(s | ((e + 112) << 23) | (m << 13));
 }
 
 struct Run {
@@ -161,18 +161,8 @@ std::vector<float> decode_gpu(const Codec& c, const std::vector<uint8_t>& packet
   return out;
 }
 
-int64_t first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) return int64_t(i);
-  return -1;
-}
-int64_t first_diff_f(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));
-  for (size_t i = 0; i < a.size(); ++i)
-    if (sref::f32_bits(a[i]) != sref::f32_bits(b[i])) return int64_t(i);
-  return -1;
-}
+using gradcomp_test::first_diff;
+using gradcomp_test::first_diff_f;
 
 } // namespace
 
@@ -218,7 +208,7 @@ TEST(CudaStochasticRounding, PacketsEqualTheCpuAndTheReference) {
           for (int64_t i = 0; i < n; ++i) {
             uint16_t code;
             std::memcpy(&code, cpu.packet.data() + 32 + 2 * i, 2);
-            dc[size_t(i)] = sref::bits_f32(uint32_t(code) << 16);
+            dc[size_t(i)] = ref::from_bits(uint32_t(code) << 16);
           }
           ASSERT_EQ(first_diff_f(dg, dc), -1);
           ASSERT_EQ(st_gpu, cpu.packet[11] ? gradcomp::kStatusNonFinite : 0u);

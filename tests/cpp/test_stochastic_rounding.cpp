@@ -69,7 +69,7 @@ RefRun reference(const ref::Input& x, const std::vector<float>* r, float divisor
     o.codes.push_back(c);
     o.nonfinite = o.nonfinite || (c & 0x7F80) == 0x7F80;
     if (r) {
-      const float d = sref::bits_f32(uint32_t(c) << 16);
+      const float d = ref::from_bits(uint32_t(c) << 16);
       o.residual.push_back(divisor == 1.0f ? xp - d : xp - divisor * d);
     }
   }
@@ -140,13 +140,13 @@ TEST(StochasticRounding, ReferencePhiloxKnownAnswers) {
                  {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}));
   // the rounding reference on hand-checked values
   EXPECT_EQ(sref::round_sr(1.0f, 0xFFFF), 0x3F80);  // a bfloat16 value never moves
-  EXPECT_EQ(sref::round_sr(sref::bits_f32(0x3F808000u), 0x7FFF), 0x3F80);
-  EXPECT_EQ(sref::round_sr(sref::bits_f32(0x3F808000u), 0x8000), 0x3F81);
-  EXPECT_EQ(sref::round_sr(sref::bits_f32(0xBF80FFFFu), 0x0000), 0xBF80);
-  EXPECT_EQ(sref::round_sr(sref::bits_f32(0xBF80FFFFu), 0x0001), 0xBF81);
-  EXPECT_EQ(sref::round_sr(sref::bits_f32(0x3F7FFFFFu), 0x0001), 0x3F80);  // up into the next binade
-  EXPECT_EQ(sref::round_sr(sref::bits_f32(0x00000001u), 0xFFFF), 0x0001);  // subnormal
-  EXPECT_EQ(sref::round_sr(sref::bits_f32(0x007FFFFFu), 0x0001), 0x0080);  // to the smallest normal
+  EXPECT_EQ(sref::round_sr(ref::from_bits(0x3F808000u), 0x7FFF), 0x3F80);
+  EXPECT_EQ(sref::round_sr(ref::from_bits(0x3F808000u), 0x8000), 0x3F81);
+  EXPECT_EQ(sref::round_sr(ref::from_bits(0xBF80FFFFu), 0x0000), 0xBF80);
+  EXPECT_EQ(sref::round_sr(ref::from_bits(0xBF80FFFFu), 0x0001), 0xBF81);
+  EXPECT_EQ(sref::round_sr(ref::from_bits(0x3F7FFFFFu), 0x0001), 0x3F80);  // up into the next binade
+  EXPECT_EQ(sref::round_sr(ref::from_bits(0x00000001u), 0xFFFF), 0x0001);  // subnormal
+  EXPECT_EQ(sref::round_sr(ref::from_bits(0x007FFFFFu), 0x0001), 0x0080);  // to the smallest normal
   EXPECT_EQ(sref::round_sr(std::numeric_limits<float>::max(), 0x0000), 0x7F7F);
   EXPECT_EQ(sref::round_sr(std::numeric_limits<float>::max(), 0x0001), 0x7F80);
   EXPECT_EQ(sref::round_sr(-0.0f, 0xFFFF), 0x8000);

@@ -8,6 +8,13 @@ Examples::
         --codec none --codec bf16 --codec topk:ratio=0.01 --scheme all --out results/plan
     gradcomp-plan --model torch.nn:Transformer --gpus 16 --json
     gradcomp-plan --figures                                        # the published figures
+    gradcomp-plan --engine fsdp2 --gpus 512 --gpus-per-node 8 --params 70B   # FSDP2 over 64 nodes
+    gradcomp-plan --engine hsdp --gpus 512 --gpus-per-node 8 --params 70B    # shard in a node, replicate across
+
+``--engine`` is the training engine: ``ddp`` (the default: DDP's buckets, below), ``fsdp2``
+(``fully_shard`` over all W ranks) or ``hsdp`` (``fully_shard`` inside each node of L ranks and an
+all-reduce of every shard across the W / L replicas); ``--backend nccl|gloo`` is the collective
+backend. ``--engine nccl`` / ``--engine gloo`` keep their former meaning: DDP on that backend.
 
 Prints a table (one row per codec and scheme: bytes one rank sends per synchronization inside
 nodes and across nodes, communication / encode / decode / exposed time in ms, the step time and
@@ -16,6 +23,18 @@ codec gives), writes ``plan.json`` and ``plan_step_vs_bandwidth.png`` (against t
 the slowest link level, 1 to 800 Gb/s: the step time of each codec, and its speed-up over dense
 with the bandwidth where it stops paying) under ``--out``. ``--json`` prints the JSON to stdout
 instead of the table. Units: bytes, seconds (ms in the table), bits/s for link rates.
+
+For ``--engine fsdp2|hsdp`` (:func:`plan_fsdp`, :func:`print_fsdp_table`) the table has, per codec
+and per place compression goes (``dense``; ``reduce_scatter``, gradcomp's all-to-all; ``hsdp``
+also ``replica_all_reduce`` and ``both``): the bytes one rank sends per step in the parameter
+all-gather (AG), the gradient reduce-scatter (RS) and the replica all-reduce (AR) by link level,
+the bytes one node sends into the network, the predicted times and the ratios to dense
+(:func:`gradcomp.planner.plan_fsdp_variants`); ``--param-dtype`` (all-gather, default bfloat16),
+``--reduce-dtype`` (default each parameter's: FSDP2 2.15's ``reduce_dtype=None``; float32 for
+``--params``), ``--reshard-after-forward true|false``, ``--units`` (FSDP units a ``--params``
+count is cut into, default 1; a ``--model``'s are its ModuleList blocks and the root),
+``--min-compress-numel``; ``--scheme`` is hsdp's replica all-reduce scheme. ``--out`` writes
+``plan.json`` only.
 
 Like for like: the first row is the flat dense allreduce (every byte at the slowest link's rate,
 what a plain DDP allreduce is modelled as); every codec, ``none`` (uncompressed) included, then
@@ -41,6 +60,8 @@ from typing import List, Optional
 
 from . import planner
 
+ENGINES = ("ddp",) + planner.FSDP_ENGINES
+BACKENDS = ("nccl", "gloo")
 DEFAULT_CODECS = ("none", "bf16", "fp8", "int8", "int4", "onebit", "topk:ratio=0.01")
 SWEEP_GBPS = [1, 2, 5, 10, 20, 50, 100, 200, 400, 800]
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -146,7 +167,7 @@ def build_model(args, W: int, L: int, rate_gbps: Optional[float] = None) -> plan
         tp = planner.Throughput(table=load(args.throughput))
     else:
         tp = planner.Throughput(device=args.gpu)
-    return planner.CostModel(intra, inter, L if nodes > 1 else 0, tp, args.engine, not args.no_error_feedback)
+    return planner.CostModel(intra, inter, L if nodes > 1 else 0, tp, args.backend, not args.no_error_feedback)
 
 
 def _codec(spec: str):
@@ -197,7 +218,7 @@ def plan(args) -> dict:
     nodes = W // L
     model = build_model(args, W, L)
     kw = dict(dtype=args.dtype, accumulate=args.accumulate, step_time_s=args.step_time, backward_s=args.backward,
-              bucket_cap_bytes=int(args.bucket_mb * (1 << 20)))
+              bucket_cap_bytes=int(args.bucket_mb * (1 << 20)), min_compress_numel=args.min_compress_numel)
     key = "step_s" if args.step_time is not None else "exposed_s"  # never the overlap residue
     none = _codec("none")
     dense = _row(params, none, W, model, "dense", kw, args)
@@ -293,6 +314,138 @@ def print_table(res: dict, out=None) -> None:
               f"{1e3 * r['decode_s']:8.3g} {1e3 * r['exposed_s']:9.4g} {1e3 * r['exposed_overlap_s']:9.4g} "
               f"{step:>8} {x(r['speedup_vs_dense']):>8} {x(r['scheme_gain']):>8} {x(r['codec_gain']):>8}  {used}",
               file=out)
+
+
+_VARIANT_NAMES = {"dense": "(dense)", "reduce_scatter": "reduce-scatter", "replica_all_reduce": "replica AR",
+                  "both": "RS + AR"}
+_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "replica_all_reduce": "AR"}
+
+
+def _layout(args):
+    """(W, L, nodes) of the command line, checked for ``args.engine``.
+
+    Raises:
+        ValueError: W or L < 1, or L not dividing W (named, with what is accepted).
+    """
+    W = int(args.gpus)
+    L = int(args.gpus_per_node) if args.gpus_per_node else min(W, 8)
+    if W < 1 or L < 1:
+        raise ValueError(f"--gpus {W} / --gpus-per-node {L}: both must be >= 1")
+    if W % L:
+        what = {"hsdp": "HSDP shards inside a node and replicates across whole nodes",
+                "fsdp2": "FSDP2 over whole nodes"}.get(args.engine, "whole nodes")
+        raise ValueError(f"--engine {args.engine}: --gpus {W} is not a multiple of --gpus-per-node {L}; accepted: "
+                         f"--gpus = a multiple of --gpus-per-node ({what}), e.g. {W - W % L or L} or {W + L - W % L}")
+    return W, L, W // L
+
+
+def plan_fsdp(args) -> dict:
+    """The plan of ``--engine fsdp2|hsdp`` as a JSON-able dict (what ``--json`` prints): ``inputs``
+    (the layout, dtypes, cost model), ``param_bytes`` / ``gradient_bytes`` (unpadded, in the
+    all-gather / reduce dtype), ``rows`` (the dense variant first, ``reference``; then per codec
+    its other variants: :func:`gradcomp.planner.plan_fsdp_step`'s dict with the ratios to that
+    dense row and ``fastest``, the codec's variant of least time, dense included), and for
+    fsdp2 over several nodes ``reduce_scatter_per_node`` (the bytes one node sends into the
+    network in the reduce-scatter: the dense ring's, the all-to-all's with codec ``none``, their
+    ratio and the formula's L (W-L)/(W-1)).
+
+    Raises:
+        ValueError: as :func:`_layout` and :func:`gradcomp.planner.plan_fsdp_step`.
+    """
+    W, L, nodes = _layout(args)
+    src = load_model(args.model) if args.model else args.params
+    units = planner.fsdp_units(src, None if args.model else (args.units or 1))
+    model = build_model(args, W, L)
+    kw = dict(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+              reshard_after_forward=args.reshard_after_forward != "false", scheme=args.scheme,
+              min_compress_numel=args.min_compress_numel, step_time_s=args.step_time)
+    rows, ref = [], None
+    for spec in args.codec or DEFAULT_CODECS:
+        vs = planner.plan_fsdp_variants(units, _codec(spec), W, model, engine=args.engine, **kw)
+        if ref is None:
+            ref = dict(vs[0], codec="none", reference=True)
+            rows.append(ref)
+        rows += vs[1:]  # a codec none of whose rows is ``fastest``: dense is faster
+    key = "step_s" if args.step_time is not None else "total_s"
+    for r in rows[1:]:
+        r["inter_bytes_vs_dense"] = _ratio(r["bytes"]["inter"], ref["bytes"]["inter"])
+        r["node_inter_bytes_vs_dense"] = _ratio(r["node_inter_bytes"], ref["node_inter_bytes"])
+        r["speedup_vs_dense"] = _ratio(ref[key], r[key])
+    ref["fastest"] = None  # the codecs' rows say which of them beats it
+    out = {"format": "gradcomp-plan/1",
+           "inputs": {"engine": args.engine, "params": ref["params"], "tensors": ref["tensors"], "units": ref["units"],
+                      "gpus": W, "gpus_per_node": L, "nodes": nodes, "shard_size": ref["shard_size"],
+                      "replicas": ref["replicas"], "param_dtype": ref["param_dtype"],
+                      "reduce_dtype": ref["reduce_dtype"], "reshard_after_forward": ref["reshard_after_forward"],
+                      "min_compress_numel": args.min_compress_numel, "exempt_params": ref["exempt_params"],
+                      "step_time_s": args.step_time, "compared": key, "cost_model": model.describe()},
+           "param_bytes": ref["param_bytes"], "gradient_bytes": ref["gradient_bytes"], "rows": rows,
+           "reduce_scatter_per_node": None}
+    if args.engine == "fsdp2" and nodes > 1:
+        a2a = planner.plan_fsdp_step(units, _codec("none"), W, model, engine="fsdp2", variant="reduce_scatter", **kw)
+        ring_b = ref["collectives"]["reduce_scatter"]["node_inter_bytes"]
+        a2a_b = a2a["collectives"]["reduce_scatter"]["node_inter_bytes"]
+        out["reduce_scatter_per_node"] = {"ring_bytes": ring_b, "all_to_all_bytes": a2a_b,
+                                          "ratio": _ratio(a2a_b, ring_b), "formula": L * (W - L) / (W - 1)}
+    return out
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count:,} {word}" + ("" if count == 1 else "s")
+
+
+def print_fsdp_table(res: dict, out=None) -> None:
+    """The human-readable table of a :func:`plan_fsdp` result, to ``out`` (default stdout)."""
+    out = out or sys.stdout
+    i = res["inputs"]
+    rows = res["rows"]
+    twice = "non-root units twice: reshard after forward" if i["reshard_after_forward"] else "once: no reshard"
+    print(f"gradcomp-plan --engine {i['engine']}: {i['params']:,} parameters in {_n(i['tensors'], 'tensor')}, "
+          f"{_n(i['units'], 'FSDP unit')}; W = {i['gpus']} ({_n(i['nodes'], 'node')} x {i['gpus_per_node']}), shard "
+          f"groups of {i['shard_size']}, {_n(i['replicas'], 'replica')}", file=out)
+    print(f"parameters all-gathered in {i['param_dtype']} ({twice}), {_fmt_bytes(res['param_bytes'])}; gradients "
+          f"reduced in {i['reduce_dtype']}, {_fmt_bytes(res['gradient_bytes'])}; {i['exempt_params']:,} elements "
+          f"exempt (< 2 dims or < {i['min_compress_numel']} elements)", file=out)
+    cm = i["cost_model"]
+    links = [f"intra {cm['intra']['name']} {cm['intra']['bits_per_s'] / 1e9:g} Gb/s"]
+    if cm["inter"]:
+        per = ", one NIC per node" if cm["inter"]["per_node"] else ""
+        links.append(f"inter {cm['inter']['name']} {cm['inter']['bits_per_s'] / 1e9:g} Gb/s{per}")
+    print("links: " + ", ".join(links) + f"; kernels: {cm['throughput']}; backend {cm['engine']}", file=out)
+    cols = [(c, lv) for c in planner.FSDP_COLLECTIVES for lv in ("intra", "inter")
+            if any(r["collectives"][c]["bytes"][lv] for r in rows)]
+    step = i["compared"] == "step_s"
+    print("(per step: bytes one rank sends in each collective by link level -- AG parameter all-gather, RS gradient "
+          "reduce-scatter, AR replica all-reduce; inter/node = bytes one node sends into the network; times in s, "
+          "summed without overlap" + ("; step = --step-time + total" if step else "") + "; node/dense = the row's "
+          "inter/node / dense's; x time = dense's " + ("step" if step else "total") + " time / the row's; * = the "
+          "codec's fastest variant; a codec without one: dense is faster)", file=out)
+    hdr = f"{'codec':<18} {'compress':<15}" + "".join(f" {_SHORT[c] + ' ' + lv:>10}" for c, lv in cols)
+    hdr += (f" {'inter/node':>10} {'comm s':>8} {'enc s':>7} {'dec s':>7} {'total s':>8}"
+            + (f" {'step s':>8}" if step else "") + f" {'node/dense':>10} {'x time':>8}")
+    if i["engine"] == "hsdp":
+        hdr += "  AR schemes"
+    print(hdr, file=out)
+
+    def x(v):
+        return "" if v is None else f"{v:.3g}x"
+
+    for r in rows:
+        line = f"{r['codec']:<18} {_VARIANT_NAMES[r['variant']]:<15}"
+        line += "".join(f" {_fmt_bytes(r['collectives'][c]['bytes'][lv]):>10}" for c, lv in cols)
+        line += (f" {_fmt_bytes(r['node_inter_bytes']):>10} {r['comm_s']:8.4g} {r['encode_s']:7.3g} "
+                 f"{r['decode_s']:7.3g} {r['total_s']:8.4g}" + (f" {r['step_s']:8.4g}" if step else ""))
+        best = "*" if r["fastest"] else ""
+        line += f" {x(r.get('node_inter_bytes_vs_dense', 1.0)):>10} {x(r.get('speedup_vs_dense', 1.0)) + best:>8}"
+        if i["engine"] == "hsdp":
+            line += "  " + ", ".join(f"{k} x{v}" for k, v in r["collectives"]["replica_all_reduce"]["schemes"].items())
+        print(line.rstrip(), file=out)
+    rs = res.get("reduce_scatter_per_node")
+    if rs:
+        print(f"reduce-scatter across nodes, bytes one node sends into the network per step: dense ring "
+              f"{_fmt_bytes(rs['ring_bytes'])}, all-to-all (codec none) {_fmt_bytes(rs['all_to_all_bytes'])} = "
+              f"{rs['ratio']:.3g}x (every one of a node's {i['gpus_per_node']} ranks sends (W-L)/(W-1) of its slots "
+              f"off the node: L (W-L)/(W-1) = {rs['formula']:.3g})", file=out)
 
 
 PAYS = 1.01
@@ -412,7 +565,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per synchronization")
     ap.add_argument("--codec", action="append", metavar="SPEC", help=f"repeatable (default: {', '.join(DEFAULT_CODECS)})")
     ap.add_argument("--scheme", default="auto", choices=("auto", "all") + planner.schemes.names())
-    ap.add_argument("--engine", default="nccl", choices=("nccl", "gloo"))
+    ap.add_argument("--engine", default="ddp", choices=ENGINES + BACKENDS,
+                    help="training engine: ddp (default), fsdp2, hsdp; nccl / gloo: the former meaning, DDP on that "
+                         "backend")
+    ap.add_argument("--backend", default=None, choices=BACKENDS, help="collective backend (default nccl)")
+    ap.add_argument("--param-dtype", default=None,
+                    help="fsdp2/hsdp: the parameters' all-gather dtype (MixedPrecisionPolicy.param_dtype; default "
+                         "bfloat16)")
+    ap.add_argument("--reduce-dtype", default=None,
+                    help="fsdp2/hsdp: the gradients' reduce dtype (default: each parameter's own, FSDP2 2.15's "
+                         "reduce_dtype=None; --params: float32)")
+    ap.add_argument("--reshard-after-forward", default=None, choices=("true", "false"),
+                    help="fsdp2/hsdp: true (default): non-root units all-gathered in forward and again in backward")
+    ap.add_argument("--units", type=int, default=None,
+                    help="fsdp2/hsdp with --params: FSDP units of equal size (default 1)")
+    ap.add_argument("--min-compress-numel", type=int, default=1024,
+                    help="tensors (DDP: buckets) of fewer elements are not compressed (default 1024)")
     ap.add_argument("--gpu", default="H200", choices=tuple(planner.DEVICE_BYTES_PER_S),
                     help="kernel times from this device's bandwidth (without --throughput)")
     ap.add_argument("--throughput", metavar="BENCH_JSON", help="kernel times from a gradcomp-bench JSON")
@@ -423,6 +591,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="write plan.json and the PNG here")
     ap.add_argument("--figures", action="store_true", help="print the published figures the planner reproduces")
     return ap
+
+
+def _check_fsdp_args(ap, args) -> None:
+    """The options ``--engine fsdp2|hsdp`` takes: the DDP-only ones are refused by name."""
+    e = args.engine
+    ddp_only = [f for f, bad in (("--dtype", args.dtype is not None), ("--accumulate", args.accumulate != 1),
+                                 ("--backward", args.backward is not None), ("--bucket-mb", args.bucket_mb != 25.0),
+                                 ("--buckets", args.buckets)) if bad]
+    if ddp_only:
+        ap.error(f"{', '.join(ddp_only)}: options of --engine ddp, not of --engine {e} (for {e}: --param-dtype, "
+                 f"--reduce-dtype, --reshard-after-forward, --units)")
+    flat = planner.schemes.names(flat=True)
+    if args.scheme != "auto" and (e == "fsdp2" or args.scheme not in flat):
+        acc = "auto (its reduce-scatter is the all-to-all)" if e == "fsdp2" else "auto, " + ", ".join(flat)
+        ap.error(f"--engine {e}: --scheme {args.scheme}; accepted: {acc}")
+    if args.units is not None and (args.model or args.units < 1):
+        ap.error(f"--units {args.units}: accepted: an int >= 1, with --params (a --model's units are its ModuleList "
+                 f"blocks and the root)")
+    if args.param_dtype is None:
+        args.param_dtype = "bfloat16"
+    if args.reduce_dtype is None and args.params is not None:
+        args.reduce_dtype = "float32"
+    for flag, v in (("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype)):
+        if v is not None and v not in planner._DTYPE_BYTES:
+            ap.error(f"{flag} {v}; accepted: {', '.join(planner._DTYPE_BYTES)}")
 
 
 def main(argv=None) -> int:
@@ -436,18 +629,42 @@ def main(argv=None) -> int:
         ap.error("one of --params or --model is required")
     if args.accumulate < 1:
         ap.error(f"--accumulate {args.accumulate}: expected an int >= 1")
-    if args.params is not None and args.dtype is None:
+    if args.engine in BACKENDS:  # the former --engine nccl|gloo: DDP on that backend
+        if args.backend is not None and args.backend != args.engine:
+            ap.error(f"--engine {args.engine} (DDP on {args.engine}) and --backend {args.backend} disagree; accepted: "
+                     f"--engine {{{','.join(ENGINES)}}} with --backend {{{','.join(BACKENDS)}}}")
+        args.engine, args.backend = "ddp", args.engine
+    args.backend = args.backend or "nccl"
+    sharded = args.engine in planner.FSDP_ENGINES
+    if sharded:
+        _check_fsdp_args(ap, args)
+    else:
+        given = [f for f, v in (("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype),
+                                ("--reshard-after-forward", args.reshard_after_forward), ("--units", args.units))
+                 if v is not None]
+        if given:
+            ap.error(f"{', '.join(given)}: options of --engine fsdp2|hsdp, not of --engine ddp (DDP's gradient dtype "
+                     f"is --dtype)")
+    if args.params is not None and args.dtype is None and not sharded:
         args.dtype = "float32"
     try:
-        res = plan(args)
+        res = plan_fsdp(args) if sharded else plan(args)
     except ValueError as e:
         ap.error(str(e))
     if args.json:
         json.dump(res, sys.stdout, indent=1)
         print()
+    elif sharded:
+        print_fsdp_table(res)
     else:
         print_table(res)
-    if args.out:
+    if args.out and sharded:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "plan.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    elif args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "plan.json"), "w") as f:
             json.dump(res, f, indent=1)

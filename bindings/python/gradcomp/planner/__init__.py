@@ -7,6 +7,9 @@ Three layers, each built on the one before:
      scheme, and the fastest scheme (``CostModel.choose``; ``choose_scheme(..., cost_model=)``);
   3. a training step (``parameter_list``, ``ddp_buckets``, ``plan_step``): bytes per step per
      rank per link level, exposed time with and without overlap, the bandwidth a step time needs;
+     for FSDP2 and HSDP (``fsdp_units``, ``plan_fsdp_step``, ``plan_fsdp_variants``): the
+     parameter all-gathers, the gradient reduce-scatters (NCCL's ring or gradcomp's compressed
+     all-to-all) and HSDP's replica all-reduce, per rank and per node, where compression goes;
      ``published_figures`` reproduces the field's standard figures from these formulas.
 ``gradcomp-plan`` (:mod:`gradcomp.planner_cli`) is the command line over them.
 
@@ -14,16 +17,19 @@ Submodules (the names of bytes, choice, cost, step and figures are re-exported h
 ``gradcomp.planner.X`` is the name to use; table and schemes are used as submodules):
   - :mod:`gradcomp.planner.bytes`: element sizes (``dtype_bytes``, ``dense_bytes``), the ring
     collectives' bytes, the byte formulas of each scheme (``bucket_bytes``, ``scheme_steps``,
-    ``two_phase_slots``, ``hierarchical_*``), the 1-bit allreduce and PowerSGD, ``summarize``, the
-    kernels' compulsory memory traffic (``encode_traffic_bytes``, ``decode_traffic_bytes``), and
-    ``SCHEMES`` / ``ALL_SCHEMES``;
+    ``two_phase_slots``, ``hierarchical_*``), FSDP2's reduce-scatter (``fsdp_shard_rows``,
+    ``fsdp_rows``, ``fsdp_exempt``, ``fsdp_slot``, ``fsdp_reduce_scatter_bytes``), where a
+    collective's bytes go per link level and per node (``level_bytes``), the 1-bit allreduce
+    and PowerSGD, ``summarize``, the kernels' compulsory memory traffic (``encode_traffic_bytes``,
+    ``decode_traffic_bytes``), and ``SCHEMES`` / ``ALL_SCHEMES``;
   - :mod:`gradcomp.planner.choice`: the ``auto`` choice (``choose_scheme``, ``bytes_choice``,
     ``hierarchical_inner``) and ``choice_report``;
   - :mod:`gradcomp.planner.cost`: link rates and levels, alpha-beta collective times, kernel
     times (``Throughput``, ``kernel_efficiency``) and ``CostModel``;
   - :mod:`gradcomp.planner.table`: the reader of ``gradcomp-bench`` JSON tables, the measured
     kernel speeds ``Throughput`` takes (:mod:`gradcomp.bench`, which writes them, re-exports it);
-  - :mod:`gradcomp.planner.step`: ``parameter_list``, ``ddp_buckets``, ``plan_step``;
+  - :mod:`gradcomp.planner.step`: ``parameter_list``, ``ddp_buckets``, ``plan_step``,
+    ``fsdp_units``, ``plan_fsdp_step``, ``plan_fsdp_variants``;
   - :mod:`gradcomp.planner.figures`: ``published_figures``;
   - :mod:`gradcomp.planner.schemes`: the scheme table :mod:`gradcomp.schemes` registers
     (``planner.schemes.register``, ``get``, ``names``, ``candidates``).
@@ -72,17 +78,20 @@ the DDP hook and the experiment harness.
 """
 
 from .bytes import (  # noqa: F401
-    _DTYPE_BYTES, all_gather_bytes, bucket_bytes, chunk, chunk_size, decode_traffic_bytes,
-    dense_bytes, dtype_bytes, encode_traffic_bytes, hierarchical_bytes, hierarchical_groups, hierarchical_steps,
-    onebit_allreduce_bytes, payload_bytes, powersgd_bytes, powersgd_rank, ring_allreduce_bytes, scheme_steps,
-    summarize, two_phase_slots,
+    _DTYPE_BYTES, FSDP_TRAILER_BYTES, all_gather_bytes, bucket_bytes, chunk, chunk_size, decode_traffic_bytes,
+    dense_bytes, dtype_bytes, encode_traffic_bytes, fsdp_exempt, fsdp_reduce_scatter_bytes, fsdp_rows, fsdp_shard_rows,
+    fsdp_slot, hierarchical_bytes, hierarchical_groups, hierarchical_steps, level_bytes, onebit_allreduce_bytes,
+    payload_bytes, powersgd_bytes, powersgd_rank, ring_allreduce_bytes, scheme_steps, summarize, two_phase_slots,
 )
 from .cost import (  # noqa: F401
     _DEFAULT_EFFICIENCY, _RATE_UNITS, _SPARSE_EFFICIENCY, COLLECTIVES, DEVICE_BYTES_PER_S, LINK_LEVELS, CostModel,
     Link, Throughput, _kernel_time, collective_time, kernel_efficiency, parse_rate,
 )
 from .choice import bytes_choice, choice_report, choose_scheme, hierarchical_inner  # noqa: F401
-from .step import ddp_buckets, parameter_list, plan_step  # noqa: F401
+from .step import (  # noqa: F401
+    FSDP_COLLECTIVES, FSDP_ENGINES, FSDP_VARIANTS, ddp_buckets, fsdp_units, parameter_list, plan_fsdp_step,
+    plan_fsdp_variants, plan_step,
+)
 from .figures import _NoneCodec, published_figures  # noqa: F401
 from . import schemes  # noqa: F401  (the scheme table; filled by gradcomp.schemes.table)
 from . import bytes as _bytes
@@ -100,12 +109,14 @@ __all__ = [
     "SCHEMES", "ALL_SCHEMES", "dtype_bytes", "dense_bytes", "ring_allreduce_bytes", "all_gather_bytes", "chunk",
     "chunk_size", "two_phase_slots", "payload_bytes", "bucket_bytes", "scheme_steps", "hierarchical_groups",
     "hierarchical_steps", "hierarchical_bytes", "onebit_allreduce_bytes", "powersgd_rank", "powersgd_bytes",
-    "summarize", "encode_traffic_bytes", "decode_traffic_bytes",
+    "summarize", "encode_traffic_bytes", "decode_traffic_bytes", "FSDP_TRAILER_BYTES", "fsdp_shard_rows", "fsdp_slot",
+    "fsdp_reduce_scatter_bytes", "fsdp_exempt", "fsdp_rows", "level_bytes",
     # choice
     "choose_scheme", "bytes_choice", "hierarchical_inner", "choice_report",
     # cost
     "COLLECTIVES", "parse_rate", "Link", "LINK_LEVELS", "collective_time", "DEVICE_BYTES_PER_S", "Throughput",
     "CostModel", "kernel_efficiency",
     # step, figures
-    "parameter_list", "ddp_buckets", "plan_step", "published_figures",
+    "parameter_list", "ddp_buckets", "plan_step", "published_figures", "FSDP_ENGINES", "FSDP_VARIANTS",
+    "FSDP_COLLECTIVES", "fsdp_units", "plan_fsdp_step", "plan_fsdp_variants",
 ]

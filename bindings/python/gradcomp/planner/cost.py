@@ -322,10 +322,23 @@ class CostModel:
         of a scheme on link levels (hierarchical: one per local rank) all leave the node together
         (L); a flat ring leaves each node over one hop per direction (1); a flat all-to-all sends
         the fraction (W - L) / (W - 1) of each of the node's L ranks' slots off the node."""
-        if level != "inter" or not self.inter.per_node:
+        if level != "inter":
+            return 1.0
+        return self.inter_load(kind, world_size, grouped=not _schemes.get(scheme).flat)
+
+    def inter_load(self, kind: str, world_size: int, *, grouped: bool = False) -> float:
+        """How many ranks' volumes cross the inter link at once when it is ``per_node`` (the
+        node's one NIC; 1.0 for a link per rank or without an inter link), for a collective of
+        ``kind`` over W = ``world_size`` ranks in nodes of L: ``grouped`` (L groups of one rank
+        per node, one per local rank, all leaving the node together: hierarchical's cross-node
+        step, HSDP's replica all-reduce) L; a flat all-to-all L (W-L)/(W-1) (each of the node's
+        L ranks sends (W-L) of its (W-1) slots off the node); a flat ring 1 (it leaves each node
+        over one hop per direction). Dimensionless (scales the volume term of
+        :func:`collective_time`)."""
+        if self.inter is None or not self.inter.per_node:
             return 1.0
         L, W = self.local_world_size, int(world_size)
-        if not _schemes.get(scheme).flat:
+        if grouped:
             return float(L)
         return L * (W - L) / (W - 1) if kind == "all_to_all" else 1.0
 

@@ -432,8 +432,9 @@ def job_model_types(rank, world):
     fsdp1 = FullyShardedDataParallel(nn.Linear(8, 8), device_id=torch.device("cpu"))
     fsdp2 = nn.Sequential(nn.Linear(8, 8))
     fully_shard(fsdp2)
-    cases = [(fsdp1, r"FullyShardedDataParallel \(FSDP1\) model: FSDP is not supported yet"),
-             (fsdp2, r"fully_shard \(FSDP2, FSDPSequential\): FSDP is not supported yet"),
+    cases = [(fsdp1, r"FullyShardedDataParallel \(FSDP1\) model, which gradcomp does not support; shard it with "
+                     r"FSDP2's fully_shard and use gradcomp.torch.fsdp.register"),
+             (fsdp2, r"fully_shard \(FSDP2, FSDPSequential\): use gradcomp.torch.fsdp.register\(model, codec\)"),
              (nn.Linear(8, 8), r"plain torch.nn.Module \(Linear\): wrap it first")]
     for model, what in cases:
         for make in (lambda: gt.register(model, codec="topk:ratio=0.01"),

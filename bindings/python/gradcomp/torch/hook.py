@@ -50,9 +50,11 @@ def _model_kind(model) -> str:
         FSDPModule = ()
     name = type(model).__name__
     if FullyShardedDataParallel and isinstance(model, FullyShardedDataParallel):
-        return "a FullyShardedDataParallel (FSDP1) model: FSDP is not supported yet"
+        return ("a FullyShardedDataParallel (FSDP1) model, which gradcomp does not support; shard it with "
+                "FSDP2's fully_shard and use gradcomp.torch.fsdp.register(model, codec)")
     if FSDPModule and isinstance(model, FSDPModule):
-        return f"a module sharded by fully_shard (FSDP2, {name}): FSDP is not supported yet"
+        return (f"a module sharded by fully_shard (FSDP2, {name}): use gradcomp.torch.fsdp.register(model, codec), "
+                f"which compresses FSDP2's reduce-scatter (and, with replicate_group=, the all-reduce between replicas)")
     if isinstance(model, torch.nn.Module):
         return (f"a plain torch.nn.Module ({name}): wrap it first, "
                 f"torch.nn.parallel.DistributedDataParallel(model)")
@@ -70,7 +72,7 @@ def check_ddp_model(model, what: str) -> None:
     if isinstance(model, DistributedDataParallel):
         return
     raise TypeError(f"{what}: expected a torch.nn.parallel.DistributedDataParallel model, got "
-                    f"{_model_kind(model)}. For a training loop of your own (or FSDP, DeepSpeed, a hook "
+                    f"{_model_kind(model)}. For a training loop of your own (or DeepSpeed, a hook "
                     f"of another framework), use gradcomp.torch.Compressor: comp.allreduce(p.grad, name) "
                     f"averages any tensor with the same codecs and error feedback.")
 

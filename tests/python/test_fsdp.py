@@ -4,7 +4,7 @@ mesh. The assertions on what the ranks computed run in this process against refe
 
 References, independent of the code under test:
   - FSDP2 itself: the same model trained without gradcomp (FSDP2's own reduce-scatter over gloo);
-  - :func:`simulate`, a numpy simulation of the protocol (docs/contracts.md, "FSDP2"): FSDP2's
+  - :func:`simulate`, a numpy simulation of the protocol (docs/contracts.md, section 5.1): FSDP2's
     torch.chunk sharding (c = ceil(rows / W) rows per rank, padded), the rows' compressed segments
     encoded one packet per row with the sender's residual, the receiver's rank-order float32 sums from
     +0.0, AVG as one division by W, exempt parameters summed raw. It calls ``gradcomp.Codec`` only to
@@ -46,9 +46,10 @@ SEED = 20261203
 STEPS = 3
 
 # unit "a": a compressed matrix, a 1-D (exempt), a (1, 1500) matrix (fewer rows than ranks: empty shards);
-# unit "b": an odd-sized matrix, a matrix below min_compress_numel (exempt); the root: a vector (exempt)
+# unit "b": an odd-sized matrix, a matrix below min_compress_numel (exempt), one element (fewer than W: empty
+# shards); the root: a vector (exempt)
 SHAPES_A = [(40, 30), (7,), (1, 1500)]
-SHAPES_B = [(5, 301), (3, 100)]
+SHAPES_B = [(5, 301), (3, 100), (1,)]
 SHAPE_ROOT = (5,)
 
 

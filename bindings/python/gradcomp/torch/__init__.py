@@ -22,6 +22,10 @@ Usage::
     new_ddp.load_state_dict(ck["state_dict"])
     gradcomp.torch.register(new_ddp, state=ck["comm_hook_state"])
 
+    # FSDP2 (fully_shard): a compressed reduce-scatter on every FSDPModule; custom HSDP with
+    # replicate_group=; the state is a torch.distributed.checkpoint Stateful
+    state = gradcomp.torch.fsdp.register(fsdp_model, "fp8")
+
     # PowerSGD (low rank), PyTorch's PowerSGDState options
     state = gradcomp.torch.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=10,
                                          ddp_model=ddp_model)
@@ -33,7 +37,7 @@ checkpoints and the byte accounting; the README's "Compressed allreduce for any 
 "DDP communication hook" sections are the user guide. Modules: ``protocol`` (the interface every
 compressor protocol implements, :class:`BaseCompressor`, and the protocol table that
 ``Compressor(spec)`` and ``register`` read), ``compressor`` (the codec protocol's allreduce),
-``hook`` (DDP), ``powersgd`` (the low-rank protocol: Vogels et al., NeurIPS 2019), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
+``hook`` (DDP), ``fsdp`` (FSDP2: :mod:`gradcomp.torch.fsdp`), ``powersgd`` (the low-rank protocol: Vogels et al., NeurIPS 2019), ``residuals`` (error-feedback state), ``stats`` (accounting, the one-step-late
 reads, the log handler); ``pool`` only re-exports :mod:`gradcomp.experiments.pool` (the gloo process
 pool of the tests and experiments), its old home.
 
@@ -48,6 +52,7 @@ from .protocol import BaseCompressor  # noqa: F401
 from .compressor import Compressor  # noqa: F401
 from .hook import CompressionState, compression_hook, register  # noqa: F401
 from .powersgd import PowerSGDCompressor, PowerSGDState, powersgd_hook  # noqa: F401
+from . import fsdp  # noqa: F401,E402  (gradcomp.torch.fsdp.register after `import gradcomp.torch`)
 
 __all__ = ["BaseCompressor", "Compressor", "CompressionState", "compression_hook", "register", "PowerSGDState", "powersgd_hook",
            "PowerSGDCompressor"]

@@ -7,7 +7,7 @@
 #   3. the CUDA gtests (GRADCOMP_REQUIRE_GPU=1: a test that would skip for want of a GPU fails;
 #      gradcomp_cuda_tests holds the codecs' and low rank's, CudaLowrank.*);
 #   4. tests/python/test_cuda.py, the CUDA cases of tests/python/test_lowrank.py and
-#      test_stochastic_rounding.py (-k cuda) and the
+#      test_stochastic_rounding.py (-k cuda), test_fsdp.py (-k cuda) and the
 #      codec contract suite on CUDA (pytest --pyargs gradcomp.testing -k cuda) against the module
 #      just built, GRADCOMP_REQUIRE_GPU=1;
 #   5. the CUDA benchmarks (bench_cuda, JSON into the log);
@@ -156,6 +156,11 @@ if [[ $python == ON && -n $so ]]; then
   rc=$?
   [[ $rc == 5 ]] && echo "pytest: test_stochastic_rounding.py collected no CUDA case"
   [[ $rc != 0 ]] && failures+=("pytest tests/python/test_stochastic_rounding.py -k cuda (rc $rc)")
+  # FSDP2's compressed reduce-scatter on CUDA (one rank, NCCL) against the CPU's, bitwise
+  timeout 120 "$py" -m pytest tests/python/test_fsdp.py -k cuda -q -p no:cacheprovider
+  rc=$?
+  [[ $rc == 5 ]] && echo "pytest: test_fsdp.py collected no CUDA case"
+  [[ $rc != 0 ]] && failures+=("pytest tests/python/test_fsdp.py -k cuda (rc $rc)")
   # the plugin: the installed package's pytest11 entry point, or by name from the staged sources
   plug=$("$py" -c 'import importlib.metadata as m; print("" if any(e.name == "gradcomp" for e in m.entry_points(group="pytest11")) else "-p gradcomp.testing.plugin")')
   (cd "$log" && timeout 90 "$py" -m pytest $plug --pyargs gradcomp.testing -k cuda -q \

@@ -851,3 +851,120 @@ def test_distributed_checkpoint_at_another_world_size_drops_residuals(world, tmp
     for msgs, left in run(world, job_dcp_other_world, "int8", path):
         assert any("saved at world size 2, loaded at 3" in m and "residuals dropped" in m for m in msgs), msgs
         assert left == []
+
+
+# ---------------------------------------------------------------------------------------------
+# loss scaling
+
+
+def job_grad_scaler(rank, world, spec, scales):
+    """Gradients times the loss scale S_t of each step (GradScaler's ``_scale`` set by hand, powers of two)
+    with the scaler attached, against the unscaled run: residuals / S_t and shards / S_t bit for bit."""
+    out = []
+    for scaled in (False, True):
+        m = build(world)
+        state = fsdp.register(m, spec)
+        sc = torch.amp.GradScaler("cpu", init_scale=1.0)
+        if scaled:
+            state.attach_grad_scaler(sc)
+        got = []
+        for step, s in enumerate(scales):
+            if scaled:
+                sc._scale = torch.tensor(float(s))
+            m.zero_grad()
+            gs = [torch.from_numpy(grad_of(n, shp, rank, step)) * (s if scaled else 1.0) for n, shp in names_shapes()]
+            m(gs).backward()
+            got.append((shards(m), {n: state.residual(n).numpy() for n, shp in names_shapes() if not is_exempt(shp)}))
+        out.append(got)
+    return out
+
+
+def test_grad_scaler_residuals_follow_the_loss_scale():
+    scales = [4.0, 8.0, 2.0]
+    for rank, (plain, scaled) in enumerate(run(2, job_grad_scaler, "int8", scales)):
+        for step, s in enumerate(scales):
+            for n in plain[step][0]:
+                assert_bits((scaled[step][0][n] / np.float32(s)).astype(np.float32), plain[step][0][n],
+                            f"rank {rank} step {step} shard {n}")
+            for n in plain[step][1]:
+                assert_bits((scaled[step][1][n] / np.float32(s)).astype(np.float32), plain[step][1][n],
+                            f"rank {rank} step {step} residual {n}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheme on CUDA (tests/gpu/run.sh runs -k cuda); on the CPU the same checks run here
+
+
+def _device_job(device: str, path: str) -> None:
+    """One process, a 1-rank group (gloo for CPU tensors, NCCL for CUDA tensors): the reduce-scatter of two
+    parameters (one compressed, one exempt) with error feedback over 2 calls, then a call with a NaN:
+    writes shards, residuals and flags to ``path`` (torch.save)."""
+    import gradcomp.schemes.reduce_scatter as rs
+
+    store = dist.FileStore(path + ".store", 1)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    try:
+        rows = [rs.RowLayout(((0, 3000),), ((3008, 10),))]  # a padded shard: 3000 compressed, 10 exempt
+        ctx = rs.ReduceScatterContext(gradcomp.Codec("fp8"), rows, torch.float32, device, None, 1, 0)
+        res = torch.zeros(3000, dtype=torch.float32, device=device)
+        out = []
+        g = np.random.default_rng(SEED)
+        for call in range(3):
+            x = torch.from_numpy(g.standard_normal(3018).astype(np.float32)).to(device)
+            if call == 2:
+                x[17] = float("nan")
+            y = torch.empty(3018, dtype=torch.float32, device=device)
+            ctx.key = (0, call, 7)
+            nf = rs.reduce_scatter(y, x, ctx, res, dist.ReduceOp.AVG)
+            out.append((x.cpu(), y.cpu(), res.cpu().clone(), bool(nf.cpu())))
+        torch.save(out, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_device_job(device, tmp_path):
+    import subprocess
+    import sys
+
+    path = str(tmp_path / f"{device}.pt")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_fsdp; test_fsdp._device_job({device!r}, {path!r})"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), here) if p)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return torch.load(path, weights_only=False)
+
+
+_HAVE_CUDA = torch.cuda.is_available() and gradcomp.build_info()["cuda"]
+if os.environ.get("GRADCOMP_REQUIRE_GPU") == "1" and not _HAVE_CUDA:
+    raise RuntimeError("GRADCOMP_REQUIRE_GPU=1 but no CUDA build of gradcomp or no GPU")
+
+
+def test_one_rank_reduce_scatter_cpu(tmp_path):
+    """W = 1 through the scheme itself: the compressed part is the decoded packet (fp8's own decode of
+    the same input and residual), the exempt part the input, padding zero, error feedback r = x' - D,
+    and a NaN sets the flag."""
+    out = _run_device_job("cpu", tmp_path)
+    codec = gradcomp.Codec("fp8")
+    r = torch.zeros(3000)
+    for call, (x, y, res, nf) in enumerate(out):
+        pk = codec.encode(x[:3000].clone(), residual=r)
+        assert_bits(y[:3000].numpy(), codec.decode(pk, numel=3000, dtype=torch.float32).numpy(), f"call {call}")
+        assert_bits(res.numpy(), r.numpy(), f"residual {call}")
+        assert_bits(y[3008:].numpy(), x[3008:].numpy(), f"exempt {call}")
+        assert not y[3000:3008].any()
+        assert nf == (call == 2)
+    # the scheme returns the flag and leaves the residual as encoded (the comm object restores it)
+    assert torch.isnan(out[2][1][:3000]).any()
+
+
+@pytest.mark.skipif(not _HAVE_CUDA, reason="needs a CUDA build of gradcomp and a GPU")
+def test_cuda_reduce_scatter_matches_cpu(tmp_path):
+    """The same calls on CUDA (NCCL, one rank): shards, residuals and flags bitwise equal to the CPU's."""
+    cpu = _run_device_job("cpu", tmp_path)
+    cuda = _run_device_job("cuda", tmp_path)
+    for call, ((_, y0, r0, f0), (_, y1, r1, f1)) in enumerate(zip(cpu, cuda)):
+        assert_bits(y1.numpy(), y0.numpy(), f"cuda shard, call {call}")
+        assert_bits(r1.numpy(), r0.numpy(), f"cuda residual, call {call}")
+        assert f0 == f1

@@ -24,7 +24,8 @@ BANNED = "DESIGN" + MD
 
 # Markdown files the code writes (gradcomp-experiment, bench/slow_link.py), not documents: allowed
 # as a bare name or under results/ (the ignored output folder).
-GENERATED_OUTPUTS = frozenset({"table" + MD, "charlm_table" + MD, "slow_link" + MD})
+GENERATED_OUTPUTS = frozenset({"table" + MD, "charlm_table" + MD, "fsdp2_table" + MD, "charlm_fsdp2_table" + MD,
+                               "slow_link" + MD})
 
 # scheme://... and bare host/path links (github.com/...): names inside them are other projects'
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://\S+|\b(?:[\w-]+\.)+(?:com|org|io|net|dev)/\S*")

@@ -89,6 +89,49 @@ def test_experiment_end_to_end(tmp_path):
     assert not any(name.startswith("charlm_") for name in os.listdir(out))
 
 
+def test_experiment_fsdp2_end_to_end(tmp_path):
+    """--task digits --engine fsdp2 on a tiny setting: the MLP sharded by FSDP2 (its three Linear
+    layers one unit each), the dense row (FSDP2's own reduce-scatter) and gradcomp's codec none
+    bit for bit equal at W = 2, fp8 with error feedback at the planner's bytes, no optimizer rows
+    (DDP only: the table's note says so), the files under their fsdp2 names."""
+    import gradcomp
+    from gradcomp import planner
+
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "gradcomp.experiments", "--task", "digits", "--engine", "fsdp2", "--workers", "2",
+           "--seeds", "1", "--epochs", "2", "--codecs", "dense;none;fp8", "--ef", "on", "--out", str(out),
+           "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert sorted(os.listdir(out)) == sorted(["fsdp2_table.md", "fsdp2_results.csv", "fsdp2_results.json",
+                                              "fsdp2_accuracy_vs_bits.png"])
+    assert "## digits (--engine fsdp2)" in p.stdout and "left out the optimizer rows" in p.stdout
+    with open(out / "fsdp2_results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["codec"], r["optimizer"], r["error_feedback"], r["scheme"]) for r in rows] == [
+        ("dense", "sgd", "False", "dense"), ("none", "sgd", "True", "reduce_scatter"),
+        ("fp8", "sgd", "True", "reduce_scatter")]
+    by = {r["codec"]: r for r in rows}
+    assert by["dense"]["test_accuracy"] == by["none"]["test_accuracy"]
+    assert by["dense"]["final_loss"] == by["none"]["final_loss"]  # repr(float): bit for bit
+    # 28 steps; per step one reduce-scatter per Linear layer, biases raw (1-D)
+    shapes = [[(256, 64), (256,)], [(256, 256), (256,)], [(10, 256), (10,)]]
+    tot = {"numel": 0, "dense_bytes": 0.0, "packet_bytes": 0.0, "sent_bytes": 0.0, "ring_bytes": 0.0}
+    for unit in shapes:
+        rws, n = planner.fsdp_rows([(math.prod(s), s) for s in unit], 2, 1024)
+        b = planner.fsdp_reduce_scatter_bytes(gradcomp.Codec("fp8"), rws, "float32", n)
+        tot["numel"] += n
+        for k in ("dense_bytes", "packet_bytes", "sent_bytes", "ring_bytes"):
+            tot[k] += b[k]
+    tot.update(planner.summarize(tot))
+    fp8 = by["fp8"]
+    assert int(fp8["steps"]) == 28 and int(fp8["numel"]) == tot["numel"]
+    for k in ("packet_ratio", "wire_ratio", "bits_per_element"):
+        assert math.isclose(float(fp8[k]), tot[k], rel_tol=1e-12), k
+    assert float(by["dense"]["bits_per_element"]) == 32.0 and float(by["dense"]["wire_ratio"]) == 1.0
+    assert all(0.0 <= float(r["test_accuracy"]) <= 100.0 for r in rows)
+
+
 def test_default_sweep_plan():
     """The digits sweep as the README's "The main job" documents it (no process is started): by
     default 10 codecs, 28 SGD runs, codec none without error feedback only (under --ef both), 2

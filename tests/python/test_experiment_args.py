@@ -71,3 +71,114 @@ def test_one_plot_for_both_tasks(tmp_path):
     assert set(report.PLOTS) == set(args.TASKS) == set(report.OUTPUT_FILES)
     with pytest.raises(KeyError):
         report.plot(charlm, str(tmp_path / "x.png"), 4, "mnist")
+
+
+# ---- --engine fsdp2 (the sweep's lists and refusals; the runs: test_charlm.py, test_experiment.py) ----
+
+def _parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        args.parse_args(argv)
+    assert e.value.code == 2, argv
+    return capsys.readouterr().err
+
+
+def test_engine_default_is_ddp_and_unchanged():
+    """Without --engine nothing changes: the DDP lists, the optimizer rows, the file names."""
+    a = args.parse_args([])
+    assert a.engine == "ddp" and a.digits.engine == a.charlm.engine == "ddp"
+    assert a.digits.codec_list == args.DEFAULT_CODECS and a.digits.optimizer_list == ["adam", "onebit_adam"]
+    psgd = args.powersgd_available()
+    assert a.charlm.codec_list == [c for c in args.CHARLM_CODECS if psgd or args.family(c) != "powersgd"]
+    assert all(r["engine"] == "ddp" for r in sweep.plan_charlm_runs(a.charlm) + sweep.plan_runs(a.digits))
+    assert report.output_files("charlm") == report.OUTPUT_FILES["charlm"]
+    assert report.output_files("digits", "ddp")["table"] == "table.md"
+
+
+def test_fsdp2_charlm_sweep():
+    """--engine fsdp2 --task charlm: dense (FSDP2's own reduce-scatter) first, the DDP list without
+    PowerSGD (said in a note), fp8 and int8; error feedback on but for dense and none; every other
+    setting the DDP sweep's."""
+    a = args.parse_args(["--task", "charlm", "--engine", "fsdp2"])
+    assert a.engine == a.charlm.engine == "fsdp2"
+    assert a.charlm.codec_list == ["dense", "none", "fp16", "topk:ratio=0.01", "fp8", "int8"]
+    assert a.notes == ["charlm: left out powersgd:rank=2, powersgd:rank=4 of the --engine ddp sweep: PowerSGD is "
+                       "a DDP communication hook with no FSDP2 path"]
+    runs = sweep.plan_charlm_runs(a.charlm)
+    assert [(r["codec"], r["error_feedback"], r["seed"]) for r in runs] == [
+        ("dense", False, 0), ("none", False, 0), ("fp16", True, 0), ("topk:ratio=0.01", True, 0), ("fp8", True, 0),
+        ("int8", True, 0)]
+    ddp = sweep.plan_charlm_runs(args.parse_args(["--task", "charlm"]).charlm)[0]
+    for r in runs:  # the same data, seeds, steps and hyperparameters as the DDP runs
+        assert r["engine"] == "fsdp2"
+        assert {k: v for k, v in r.items() if k not in ("codec", "error_feedback", "engine")} == \
+            {k: v for k, v in ddp.items() if k not in ("codec", "error_feedback", "engine")}
+    full = args.parse_args(["--task", "charlm", "--engine", "fsdp2", "--full"])
+    assert "dense" in full.charlm.codec_list and "fp8" in full.charlm.codec_list
+    assert not any(args.family(c) == "powersgd" for c in full.charlm.codec_list)
+    assert "powersgd:rank=1, powersgd:rank=2, powersgd:rank=4, powersgd:rank=8" in full.notes[0]
+    settings = {(r["codec"], r["error_feedback"]) for r in sweep.plan_charlm_runs(full.charlm)}
+    assert ("dense", True) not in settings and ("int8", False) in settings and ("int8", True) in settings
+    # an explicit list: as given, no note
+    b = args.parse_args(["--task", "charlm", "--engine", "fsdp2", "--codecs", "dense;int8", "--ef", "on"])
+    assert [(r["codec"], r["error_feedback"]) for r in sweep.plan_charlm_runs(b.charlm)] == [
+        ("dense", False), ("int8", True)] and b.notes == []
+
+
+def test_fsdp2_digits_sweep():
+    """--engine fsdp2 --task digits: dense and the DDP codec list; the optimizer rows (DDP only)
+    left out with a note, or none asked for with --optimizers ''."""
+    a = args.parse_args(["--task", "digits", "--engine", "fsdp2"])
+    assert a.digits.codec_list == ["dense"] + args.DEFAULT_CODECS and a.digits.optimizer_list == []
+    assert a.notes == ["digits: left out the optimizer rows (adam, onebit_adam): they run under --engine ddp only "
+                       "(torch Adam under plain DDP, 1-bit Adam's DDP hook)"]
+    runs = sweep.plan_runs(a.digits)
+    assert runs[0]["codec"] == "dense" and runs[0]["error_feedback"] is False
+    assert all(r["engine"] == "fsdp2" and r["optimizer"] == "sgd" for r in runs)
+    b = args.parse_args(["--task", "digits", "--engine", "fsdp2", "--optimizers", ""])
+    assert b.digits.optimizer_list == [] and b.notes == []
+
+
+def test_dense_runs_without_error_feedback():
+    for ef in ("both", "on", "off", "auto"):
+        t = args.parse_args(["--task", "charlm", "--engine", "fsdp2", "--ef", ef]).charlm
+        assert sweep.efs_for("dense", t) == [False], ef
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--engine", "fsdp2", "--codecs", "none;powersgd:rank=2"], "PowerSGD has no FSDP2 path"),
+    (["--engine", "fsdp2", "--task", "charlm", "--codecs", "powersgd:rank=4"], "Accepted under --engine fsdp2: dense"),
+    (["--codecs", "dense"], "--engine fsdp2 only"),
+    (["--engine", "fsdp2", "--codecs", "dense:x=1"], "takes no options"),
+    (["--engine", "fsdp2", "--workers", "1"], "--workers >= 2"),
+    (["--engine", "fsdp2", "--task", "digits", "--optimizers", "adam"], "needs --engine ddp"),
+    (["--engine", "fsdp2", "--task", "charlm", "--charlm-start-iter", "5"], "no dense warm-up"),
+    (["--engine", "fsdp2", "--task", "digits", "--link", "1gbit"], "charlm only"),
+    (["--engine", "fsdp3"], "invalid choice"),
+])
+def test_fsdp2_refusals(argv, says, capsys):
+    err = _parse_error(argv, capsys)
+    assert says in err, err
+
+
+def test_fsdp2_refusal_names_the_accepted_codecs(capsys):
+    err = _parse_error(["--engine", "fsdp2", "--codecs", "powersgd:rank=2"], capsys)
+    for name in sorted(_registered()):
+        assert name in err, name
+
+
+def test_fsdp2_output_files_and_footer():
+    """Outputs under --engine fsdp2 go beside the DDP ones under other names; the table's footer
+    says what the ratios are against (a ring reduce-scatter) and each row against dense."""
+    for task in args.TASKS:
+        new, old = report.output_files(task, "fsdp2"), report.OUTPUT_FILES[task]
+        assert set(new) == set(old) and not set(new.values()) & set(old.values())
+        assert all("fsdp2" in f for f in new.values())
+    summary = [{"codec": "dense", "error_feedback": False, "bpc_mean": 2.5},
+               {"codec": "int8", "error_feedback": True, "bpc_mean": 2.51},
+               {"codec": "none", "error_feedback": False, "bpc_mean": 2.5}]
+    lines = report.fsdp2_lines(summary, "bpc", "bits/char", "embed, lstm and head", 1000, 40, 4)
+    assert "ring reduce-scatter of the dense input ((W-1)/W x dense bytes)" in lines[0]
+    assert "40 of 1000 parameter elements" in lines[1]
+    assert lines[2] == "Relative to dense (2.5000 bits/char): int8 +EF +0.40%, none +0.00%."
+    # no dense row (an explicit --codecs without it): no relative line
+    assert len(report.fsdp2_lines(summary[1:], "bpc", "bits/char", "x", 1000, 40, 4)) == 2

@@ -36,6 +36,19 @@ hook (Vogels et al., NeurIPS 2019; PyTorch's PowerSGD hook protocol); when
 ``gradcomp.torch.powersgd`` cannot be imported, the default lists leave those rows out (the table
 says so) and an explicit ``--codecs`` with one is an argparse error.
 
+``--engine fsdp2`` (default ``ddp``): the same tasks, data, seeds, steps and hyperparameters with
+the model sharded by FSDP2 instead of wrapped in DDP (:mod:`gradcomp.experiments.fsdp2`:
+``fully_shard`` of each direct child holding parameters, then of the root, on a 1-D CPU mesh of
+the W gloo ranks) and gradcomp's compressed reduce-scatter (:func:`gradcomp.torch.fsdp.register`,
+biases exempt) on every unit; the dense row ``dense`` is FSDP2's own reduce-scatter. Default
+codecs: dense, then the DDP lists without PowerSGD (a DDP hook with no FSDP2 path: the table's note
+says so, and an explicit ``powersgd:rank=R`` is an argparse error naming the accepted codecs), and
+for charlm fp8 and int8. The byte ratios are the reduce-scatters' (wire_ratio against a ring
+reduce-scatter of the dense input, (W-1)/W x dense bytes). Not under fsdp2: the digits optimizer
+rows (left out, with a note), ``--link`` with digits, ``--charlm-start-iter`` > 0, ``--workers
+1``. The files get an ``fsdp2`` prefix (``charlm_fsdp2_results.csv``, ``fsdp2_results.csv``,
+...), so both engines' results can share ``--out``.
+
 The hook's scheme is ``auto`` (sum for the casts, gather for top-k, two_phase for the quantizers
 and onebit, with worker and server residuals under error feedback; powersgd for the low-rank
 hook); the tables and the CSVs say which scheme each run used. ``--codecs``, ``--ef``, ``--seeds``
@@ -87,10 +100,11 @@ from typing import List, Optional
 
 from . import args, report, sweep
 from .args import (CHARLM_CODECS, CHARLM_FULL_CODECS, CHARLM_LR, CL, DEFAULT_CODECS,  # noqa: F401 (re-exported)
-                   DIGITS_FULL_CODECS, DIGITS_OPTIMIZER_SEEDS, OPTIMIZERS, QUANT_SEED_FAMILIES, SWEEP_DEFAULTS,
-                   TASKS, check_powersgd_spec, family, parse_args, parse_tasks, powersgd_available)
-from .report import (CHARLM_CSV_COLUMNS, CSV_COLUMNS, OUTPUT_FILES, PLOTS, TARGET_FRACTION,  # noqa: F401
-                     format_charlm_table, format_table, link_target, plot, summarize)
+                   DIGITS_FULL_CODECS, DIGITS_OPTIMIZER_SEEDS, ENGINES, FSDP2_CODECS, OPTIMIZERS,
+                   QUANT_SEED_FAMILIES, SWEEP_DEFAULTS, TASKS, check_powersgd_spec, family, parse_args, parse_tasks,
+                   powersgd_available)
+from .report import (CHARLM_CSV_COLUMNS, CSV_COLUMNS, OUTPUT_FILES, OUTPUT_FILES_FSDP2, PLOTS,  # noqa: F401
+                     TARGET_FRACTION, format_charlm_table, format_table, link_target, output_files, plot, summarize)
 from .sweep import efs_for, plan_charlm_runs, plan_runs, run_sweep, seeds_for  # noqa: F401
 
 

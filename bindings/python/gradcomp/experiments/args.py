@@ -3,8 +3,9 @@ describes the command): the flags, each task's default sweep (codec lists, error
 and :func:`parse_args`, which resolves them into one namespace of settings per task.
 
 Codec specs are checked here: a :class:`gradcomp.Codec` spec by building the codec, a
-``powersgd:rank=R`` spec (the low-rank hook, not a codec) by :func:`check_powersgd_spec`; bad input
-is an argparse error (exit status 2).
+``powersgd:rank=R`` spec (the low-rank hook, not a codec) by :func:`check_powersgd_spec`, ``dense``
+(FSDP2's own reduce-scatter) and powersgd against ``--engine`` (:data:`ENGINES`: ``dense`` is
+``fsdp2`` only, PowerSGD ``ddp`` only); bad input is an argparse error (exit status 2).
 """
 
 import argparse
@@ -12,8 +13,10 @@ from typing import List, Optional
 
 from ..codec import Codec
 from . import charlm
+from .fsdp2 import DENSE
 
 TASKS = ("digits", "charlm")
+ENGINES = ("ddp", "fsdp2")
 
 DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
                   "fp8", "int8", "int4", "onebit"]
@@ -32,6 +35,7 @@ SWEEP_DEFAULTS = {
                "quant_seeds": (1, 2)},
 }
 DIGITS_OPTIMIZER_SEEDS = (1, 2)  # (default, --full)
+DEFAULT_OPTIMIZERS = "adam;onebit_adam"  # the digits optimizer rows (--engine ddp only)
 CL = charlm.DEFAULTS  # the charlm task's defaults (one home: gradcomp.experiments.charlm)
 CHARLM_LR = {"adam": CL["lr"], "sgd": 4.0}  # default peak learning rate per --charlm-optimizer
 
@@ -48,6 +52,28 @@ def family(codec: str) -> str:
     """The family of a codec spec: its name before ``:`` (``"topk"`` of ``"topk:ratio=0.01"``,
     ``"powersgd"`` of ``"powersgd:rank=2"``)."""
     return codec.partition(":")[0].strip()
+
+
+def _fsdp2_list(ddp_list: List[str], add: List[str]) -> List[str]:
+    return [DENSE] + [c for c in ddp_list if family(c) != "powersgd"] + [c for c in add if c not in ddp_list]
+
+
+# --engine fsdp2's codec lists, per task (default, --full): FSDP2's own reduce-scatter first (the
+# dense row, DENSE), then the DDP list without PowerSGD (a DDP hook: no FSDP2 path), and for charlm
+# the block quantizers fp8 and int8 (the default; --full has int8 already)
+FSDP2_CODECS = {
+    "digits": (_fsdp2_list(DEFAULT_CODECS, []), _fsdp2_list(DIGITS_FULL_CODECS, [])),
+    "charlm": (_fsdp2_list(CHARLM_CODECS, ["fp8", "int8"]), _fsdp2_list(CHARLM_FULL_CODECS, ["fp8"])),
+}
+
+
+def fsdp2_accepted() -> str:
+    """The codecs ``--engine fsdp2`` accepts, for its error messages: dense and the registered
+    codecs' names."""
+    from ..codec import codecs
+
+    return f"{DENSE} (FSDP2's own reduce-scatter) and the specs of the codecs " + ", ".join(
+        c["name"] for c in codecs())
 
 
 def check_powersgd_spec(spec: str) -> None:
@@ -114,10 +140,10 @@ def parse_tasks(s: str) -> List[str]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    """Parse the command line. Returns the namespace with ``tasks`` (list), ``digits`` and
-    ``charlm`` (each a namespace of that task's resolved settings: ``codec_list``, ``ef``,
-    ``seeds``, ``quant_seeds`` and its training flags; both always present) and ``notes``
-    (strings for the tables: powersgd rows left out of a default list)."""
+    """Parse the command line. Returns the namespace with ``tasks`` (list), ``engine`` ("ddp" or
+    "fsdp2"), ``digits`` and ``charlm`` (each a namespace of that task's resolved settings:
+    ``engine``, ``codec_list``, ``ef``, ``seeds``, ``quant_seeds`` and its training flags; both
+    always present) and ``notes`` (strings for the tables: rows left out of a default list)."""
     p = argparse.ArgumentParser(
         prog="gradcomp-experiment",
         description="Model quality versus compression ratio with real DDP processes (gloo, CPU): test accuracy "
@@ -132,6 +158,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "per optimizer row (45 runs); charlm 13 codecs (PowerSGD at ranks 1, 2, 4, 8), error "
                         "feedback on and off, 2 seeds (50 runs)")
     p.add_argument("--workers", type=int, default=4, help="DDP processes (default 4)")
+    p.add_argument("--engine", choices=ENGINES, default="ddp",
+                   help="ddp (default): DDP with a gradcomp communication hook; fsdp2: the same models, data and "
+                        "settings sharded by FSDP2 (fully_shard on a CPU mesh of the W gloo ranks) with gradcomp's "
+                        "compressed reduce-scatter, the dense row 'dense' being FSDP2's own; its codec lists: "
+                        "digits dense;" + ";".join(FSDP2_CODECS["digits"][0][1:]) + ", charlm "
+                        + ";".join(FSDP2_CODECS["charlm"][0]) + " (--full: the --full lists without PowerSGD, "
+                        "plus dense and fp8). PowerSGD (a DDP hook), the digits optimizer rows, --link with digits, "
+                        "--charlm-start-iter > 0 and --workers 1 are --engine ddp only; outputs get an fsdp2 prefix")
     g = p.add_argument_group("sweep (every selected task; default: each task's own)")
     g.add_argument("--codecs", default=None,
                    help="codec specs separated by ';' (a spec itself may hold commas, e.g. "
@@ -158,10 +192,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     d.add_argument("--hidden", type=int, default=256, help="MLP hidden width (default 256)")
     d.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="DDP bucket_cap_mb (default 0.1: two buckets, rebuilt after step 1)")
-    d.add_argument("--optimizers", default="adam;onebit_adam",
+    d.add_argument("--optimizers", default=None,
                    help="optimizer rows separated by ';', beside the SGD codec sweep: adam (torch.optim.Adam, "
                         "plain DDP) and onebit_adam (gradcomp.optim.OnebitAdam with its DDP hook: dense "
-                        "warm-up, then 1-bit compressed momentum); '' for none (default: %(default)s)")
+                        "warm-up, then 1-bit compressed momentum); '' for none (default: " + DEFAULT_OPTIMIZERS
+                        + "; --engine fsdp2: none)")
     d.add_argument("--optimizer-seeds", type=int, default=None,
                    help="seeds of each optimizer row (default 1; --full: 2)")
     d.add_argument("--adam-lr", type=float, default=1e-3, help="peak learning rate of the Adam rows (default 1e-3)")
@@ -245,7 +280,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--link-nodes 2 needs an even --workers (W/2 per node); got {a.workers}")
     elif a.link_nodes != 1:
         p.error("--link-nodes needs --link RATE")
-    optimizer_list = _split_list(a.optimizers)
+    fsdp2 = a.engine == "fsdp2"
+    if fsdp2:
+        if a.workers < 2:
+            p.error(f"--engine fsdp2 needs --workers >= 2 (at world size 1 FSDP2 has no reduce-scatter); "
+                    f"got {a.workers}")
+        if a.charlm_start_iter and "charlm" in a.tasks:
+            p.error(f"--charlm-start-iter={a.charlm_start_iter} needs --engine ddp (gradcomp.torch.fsdp has no "
+                    f"dense warm-up); accepted under --engine fsdp2: 0")
+        if a.link is not None and "digits" in a.tasks:
+            p.error("--link with --engine fsdp2: charlm only (the digits time to target evaluates rank 0's model "
+                    "mid-run, which FSDP2 holds sharded); use --task charlm or --engine ddp")
+        if a.optimizers is not None and _split_list(a.optimizers) and "digits" in a.tasks:
+            p.error(f"--optimizers {a.optimizers!r} needs --engine ddp (torch Adam under plain DDP, 1-bit Adam's "
+                    f"DDP hook); accepted under --engine fsdp2: '' (the digits codec sweep runs with SGD)")
+    optimizer_list = _split_list(a.optimizers if a.optimizers is not None else "" if fsdp2 else DEFAULT_OPTIMIZERS)
     for opt in optimizer_list:
         if opt not in OPTIMIZERS:
             p.error(f"--optimizers: {opt!r}; accepted: {', '.join(OPTIMIZERS)}")
@@ -257,6 +306,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     explicit = _split_list(a.codecs) if a.codecs is not None else None
     if explicit is not None:
         for spec in explicit:
+            if fsdp2 and family(spec) == "powersgd":
+                p.error(f"--codecs: {spec!r}: PowerSGD has no FSDP2 path (it is a DDP communication hook; "
+                        f"gradcomp.torch.fsdp compresses the reduce-scatter with a codec): run it with --engine ddp. "
+                        f"Accepted under --engine fsdp2: {fsdp2_accepted()}")
+            if family(spec) == DENSE:
+                if spec != DENSE:
+                    p.error(f"--codecs: {spec!r}; {DENSE!r} takes no options")
+                if not fsdp2:
+                    p.error(f"--codecs: {DENSE!r} is FSDP2's own reduce-scatter without gradcomp (--engine fsdp2 "
+                            f"only); under --engine ddp codec none is the dense row")
+                continue
             try:
                 if family(spec) == "powersgd":
                     check_powersgd_spec(spec)
@@ -271,8 +331,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for task in TASKS:
         dflt = SWEEP_DEFAULTS[task]
         t = argparse.Namespace(task=task, workers=a.workers)
+        t.engine = a.engine
         if explicit is not None:
             t.codec_list = list(explicit)
+        elif fsdp2:
+            t.codec_list = list(FSDP2_CODECS[task][full])
+            left = [s for s in dflt["codecs"][full] if family(s) == "powersgd"]
+            if left and task in a.tasks:
+                a.notes.append(f"{task}: left out {', '.join(left)} of the --engine ddp sweep: PowerSGD is a DDP "
+                               f"communication hook with no FSDP2 path")
         else:
             t.codec_list = list(dflt["codecs"][full])
             if any(family(s) == "powersgd" for s in t.codec_list):
@@ -292,6 +359,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
               "adam_eps", "freeze_fraction"):
         setattr(dg, k, getattr(a, k))
     dg.optimizer_list = optimizer_list
+    if fsdp2 and a.optimizers is None and "digits" in a.tasks:
+        a.notes.append(f"digits: left out the optimizer rows ({DEFAULT_OPTIMIZERS.replace(';', ', ')}): they run "
+                       f"under --engine ddp only (torch Adam under plain DDP, 1-bit Adam's DDP hook)")
     dg.optimizer_seeds = a.optimizer_seeds if a.optimizer_seeds is not None else DIGITS_OPTIMIZER_SEEDS[full]
     cl = a.charlm
     for k in ("steps", "optimizer", "momentum", "clip", "batch_size", "seq_len", "embed", "hidden", "bucket_cap_mb",

@@ -33,7 +33,10 @@ learning-rate decay over the run (from ``lr`` to 0); gradients are clipped to l2
 after the DDP allreduce (the averaged gradient is the same on every rank, so is the clipping).
 The model's parameters are initialized from ``torch.manual_seed(seed)``. The DDP model
 (``bucket_cap_mb``) has the gradcomp hook of the run's codec
-(:func:`gradcomp.experiments.runner.register_hook`) with ``start_iter`` dense steps first.
+(:func:`gradcomp.experiments.runner.register_hook`) with ``start_iter`` dense steps first. Under
+``engine="fsdp2"`` the same model, data, initialization and optimizer run sharded by FSDP2
+(:mod:`gradcomp.experiments.fsdp2`: units embed, lstm, head, then the root) with gradcomp's
+compressed reduce-scatter, or FSDP2's own for codec ``"dense"``.
 
 Metric: validation bits per character, the mean cross-entropy in bits
 (``nats / ln 2``) over ``val_windows`` fixed windows of ``seq_len + 1`` characters at evenly spaced
@@ -220,8 +223,10 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     "sgd"), lr (peak), momentum (Adam's beta1 or SGD's momentum), clip (gradient l2 norm; 0:
     none), batch_size (windows per rank per step), seq_len (characters predicted per window),
     embed, hidden, bucket_cap_mb, start_iter, val_windows, corpus_max_bytes; optional stdlib
-    (directory of the corpus, default the interpreter's) and progress_every (steps between
-    progress reports, default 10).
+    (directory of the corpus, default the interpreter's), progress_every (steps between
+    progress reports, default 10) and engine: "ddp" (default) or "fsdp2" (the model sharded by
+    FSDP2 instead of wrapped in DDP, gradcomp's compressed reduce-scatter or, for codec "dense",
+    FSDP2's own: :mod:`gradcomp.experiments.fsdp2`; bucket_cap_mb unused, start_iter must be 0).
 
     Returns (every rank) a dict: val_bpc (validation bits per character), final_loss and
     train_loss (mean training cross-entropy in bits per character over all ranks, per progress
@@ -229,7 +234,8 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     :func:`gradcomp.experiments.runner.train_run`), train_s (the training loop: forward,
     backward with the hook, clipping, step), eval_s, wall_s, params (parameter count) and
     param_checksum (sum of the final float32 parameters' bit patterns as int32, for the parent's
-    check that all ranks agree bitwise)."""
+    check that all ranks agree bitwise); under FSDP2 also exempt_numel (elements sent raw), and the
+    byte accounting is the reduce-scatters' (:func:`gradcomp.experiments.fsdp2.run_stats`)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -245,8 +251,22 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(cfg["seed"])
     model = make_model(cfg["embed"], cfg["hidden"])
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
-    state = register_hook(ddp, cfg["codec"], cfg["error_feedback"], cfg["start_iter"])
+    engine = cfg.get("engine", "ddp")
+    if engine == "fsdp2":
+        from . import fsdp2
+
+        if cfg["start_iter"]:
+            raise ValueError(f"charlm: start_iter={cfg['start_iter']} under FSDP2; accepted: 0 (gradcomp.torch.fsdp "
+                             f"has no dense warm-up)")
+        numels = {n: p.numel() for n, p in model.named_parameters()}
+        units = fsdp2.shard(model, world)
+        state = fsdp2.register(model, cfg["codec"], cfg["error_feedback"])
+        ddp = model  # the FSDPModule: forward, parameters (DTensors)
+    elif engine == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+        state = register_hook(ddp, cfg["codec"], cfg["error_feedback"], cfg["start_iter"])
+    else:
+        raise ValueError(f"charlm: engine={engine!r}; accepted: ddp, fsdp2")
     if cfg["optimizer"] == "adam":
         opt = torch.optim.Adam(ddp.parameters(), lr=cfg["lr"], betas=(cfg["momentum"], 0.999))
     elif cfg["optimizer"] == "sgd":
@@ -285,6 +305,11 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
             if rank == 0:
                 report({"step": step + 1, "loss": losses[-1]})
     t_eval = time.perf_counter()
+    extra = {}
+    if engine == "fsdp2":  # evaluate a plain copy with the full parameters (no collective per batch)
+        st = fsdp2.run_stats(state, units, world, steps)
+        extra["exempt_numel"] = fsdp2.exempt_numel(state, numels)
+        model = fsdp2.gathered(model, lambda: make_model(cfg["embed"], cfg["hidden"]))
     offs = val_offsets(val.shape[0], T, cfg["val_windows"])[rank::world]
     ev = torch.zeros(2, dtype=torch.float64)  # [sum of nats, predicted characters]
     model.eval()
@@ -304,7 +329,8 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         "val_bpc": float(ev[0] / ev[1]) / ln2,
         "train_loss": losses,
         "final_loss": losses[-1] if losses else float("nan"),
-        **hook_totals(state.stats()),
+        **hook_totals(st if engine == "fsdp2" else state.stats()),
+        **extra,
         "train_s": compute_s,
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - t_start,

@@ -441,6 +441,8 @@ def timed_train_run(rank: int, world: int, cfg: dict) -> dict:
     from . import pool as pool_mod
     from . import runner
 
+    if cfg.get("engine", "ddp") != "ddp":  # rank 0 alone evaluates the model mid-run: not a sharded one
+        raise ValueError(f"timed_train_run: engine={cfg['engine']!r}; accepted: ddp")
     made: list = []
     curve: list = []
     spent = [0.0]

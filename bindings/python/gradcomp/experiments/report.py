@@ -17,6 +17,7 @@ import statistics
 from typing import Callable, Dict, List, Optional, TextIO
 
 from .args import OPTIMIZERS
+from .fsdp2 import DENSE, MIN_COMPRESS_NUMEL
 
 CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "test_accuracy", "final_loss",
                "packet_ratio", "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
@@ -34,6 +35,47 @@ OUTPUT_FILES = {
     "charlm": {"table": "charlm_table.md", "csv": "charlm_results.csv", "json": "charlm_results.json",
                "plot": "charlm_bpc_vs_bits.png"},
 }
+# the same under --engine fsdp2 (beside the DDP sweep's in the same --out)
+OUTPUT_FILES_FSDP2 = {
+    "digits": {"table": "fsdp2_table.md", "csv": "fsdp2_results.csv", "json": "fsdp2_results.json",
+               "plot": "fsdp2_accuracy_vs_bits.png"},
+    "charlm": {"table": "charlm_fsdp2_table.md", "csv": "charlm_fsdp2_results.csv",
+               "json": "charlm_fsdp2_results.json", "plot": "charlm_fsdp2_bpc_vs_bits.png"},
+}
+
+
+def output_files(task: str, engine: str = "ddp") -> Dict[str, str]:
+    """The file names of one task's outputs (:data:`OUTPUT_FILES`, or :data:`OUTPUT_FILES_FSDP2`
+    under ``--engine fsdp2``)."""
+    return (OUTPUT_FILES_FSDP2 if engine == "fsdp2" else OUTPUT_FILES)[task]
+
+
+def fsdp2_lines(summary: List[dict], prefix: str, unit: str, units: str, params: Optional[int],
+                exempt: Optional[int], workers: int) -> List[str]:
+    """The footer of an ``--engine fsdp2`` table: the setup (``units``: the fully_shard units), what
+    the byte ratios are relative to (a ring reduce-scatter), the exempt parameters, and each row's
+    metric (``prefix``: acc or bpc, in ``unit``) relative to the dense row's (FSDP2 without
+    gradcomp), when the sweep has one."""
+    out = [f"W = {workers} gloo ranks (CPU) under FSDP2: fully_shard of {units}, then of the root, on a 1-D CPU "
+           f"mesh (parameters, gradients and optimizer state sharded). Ratios are totals over all units and steps "
+           f"of the gradient reduce-scatters (the parameter all-gathers are the same in every run and not "
+           f"counted): packet_ratio = the W slots a rank encodes / FSDP2's padded dense reduce-scatter input; "
+           f"wire_ratio = the W-1 slots a rank sends in gradcomp's all-to-all / what it sends in a ring "
+           f"reduce-scatter of the dense input ((W-1)/W x dense bytes); bits/elem = 8 x packet bytes / elements "
+           f"of that input. {DENSE} = FSDP2's own reduce-scatter without gradcomp (its times are not measured: "
+           f"0). Times are per run, summed over steps, seconds."]
+    if exempt is not None and params:
+        out.append(f"Sent raw in the same all-to-all (exempt: fewer than 2 dimensions or fewer than "
+                   f"{MIN_COMPRESS_NUMEL} elements, gradcomp.torch.fsdp's default): {exempt} of {params} "
+                   f"parameter elements.")
+    dense = [s[f"{prefix}_mean"] for s in summary if s["codec"] == DENSE]
+    if dense:
+        rel = ", ".join(f"{s['codec']}{' +EF' if s['error_feedback'] else ''} "
+                        f"{100 * (s[f'{prefix}_mean'] - dense[0]) / dense[0]:+.2f}%"
+                        for s in summary if s["codec"] != DENSE)
+        shown = f"{dense[0]:.2f}%" if prefix == "acc" else f"{dense[0]:.4f}"
+        out.append(f"Relative to {DENSE} ({shown} {unit}): {rel}.")
+    return out
 
 
 def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "acc") -> List[dict]:
@@ -64,11 +106,14 @@ def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "ac
     return out
 
 
-def format_table(summary: List[dict], workers: int, link: Optional[dict] = None) -> str:
+def format_table(summary: List[dict], workers: int, link: Optional[dict] = None, engine: str = "ddp",
+                 params: Optional[int] = None, exempt: Optional[int] = None) -> str:
     """The digits Markdown table of the summary (accuracy in percent, mean +- sample std over seeds).
     With ``link`` (:func:`link_target`'s dict, under ``--link``) four more columns: the mean time
     to the target accuracy over the seeds that reached it (s), its mean epoch, how many seeds
-    reached it, and the mean wall time of a run (s); and a line saying what the target is."""
+    reached it, and the mean wall time of a run (s); and a line saying what the target is. Under
+    ``engine`` fsdp2 the footer is :func:`fsdp2_lines`' (``params``, ``exempt``: elements of the
+    model and of its exempt parameters)."""
     head = ("| codec | scheme | EF | runs | test acc % (mean ± std) | min–max | final loss | packet_ratio | "
             "wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
     ncol = 14
@@ -91,10 +136,15 @@ def format_table(summary: List[dict], workers: int, link: Optional[dict] = None)
                      f"{s.get('reached', 0)}/{s['runs']} | {s['wall_s']:.2f} |")
         lines.append(line)
     lines.append("")
-    lines.append(f"W = {workers} gloo workers (CPU). Ratios are totals over all buckets and steps; "
-                 f"wire_ratio is against a ring allreduce of the dense buckets (2(W-1)/W x dense bytes). "
-                 f"Times are per run, summed over steps, seconds; comm s is launch-to-completion per "
-                 f"bucket and overlaps the backward pass.")
+    if engine == "fsdp2":
+        for ln in fsdp2_lines(summary, "acc", "test accuracy", "each Linear layer", params, exempt, workers):
+            lines += [ln, ""]
+        lines.pop()
+    else:
+        lines.append(f"W = {workers} gloo workers (CPU). Ratios are totals over all buckets and steps; "
+                     f"wire_ratio is against a ring allreduce of the dense buckets (2(W-1)/W x dense bytes). "
+                     f"Times are per run, summed over steps, seconds; comm s is launch-to-completion per "
+                     f"bucket and overlaps the backward pass.")
     if link is not None:
         lines.append("")
         lines.append(f"Link: {link['description']}. Target accuracy {link['target']:.2f}% = 98% of the mean final "
@@ -138,10 +188,12 @@ def link_target(rows: List[dict], summary: List[dict], description: str) -> dict
 
 
 def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict, params: int,
-                        notes: List[str]) -> str:
+                        notes: List[str], exempt: Optional[int] = None) -> str:
     """The charlm Markdown table: validation bits per character (mean +- sample std over seeds,
     min-max), the final training loss (bits per character, the last 10 steps' mean), the ratios
-    and the times (seconds per run); a footer with the corpus, the model and the training setup."""
+    and the times (seconds per run); a footer with the corpus, the model and the training setup.
+    Under ``a.engine`` fsdp2 the footer says what the ratios are there (:func:`fsdp2_lines`;
+    ``exempt``: elements of the exempt parameters) and each row against the dense row."""
     head = ("| codec | scheme | EF | runs | val bits/char (mean ± std) | min–max | final train bits/char | "
             "packet_ratio | wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
     sep = "|" + "---|" * 14
@@ -154,16 +206,23 @@ def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict
             f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
             f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
     lines.append("")
+    fsdp2 = getattr(a, "engine", "ddp") == "fsdp2"
+    workers = "" if fsdp2 else f"W = {a.workers} gloo workers (CPU). "  # fsdp2: its own lines below
     lines.append(
-        f"W = {a.workers} gloo workers (CPU). Corpus: {corpus['train_files'] + corpus['val_files']} *.py files of "
+        f"{workers}Corpus: {corpus['train_files'] + corpus['val_files']} *.py files of "
         f"{corpus['stdlib']} ({corpus['bytes']} bytes, sha256 {corpus['sha256'][:16]}...), "
         f"{corpus['train_files']} for training ({corpus['train_chars']} characters), {corpus['val_files']} "
         f"held out ({corpus['val_chars']} characters); vocabulary {corpus['vocab_size']} classes (uniform: "
         f"{math.log2(corpus['vocab_size']):.3f} bits/char). Model: 2-layer LSTM, embed {a.embed}, hidden "
         f"{a.hidden}, {params} parameters. {a.steps} steps of {a.batch_size} windows x {a.seq_len} characters "
         f"per rank, {a.optimizer} (peak lr {a.lr:g}, cosine decay, clip {a.clip:g}); val bits/char over "
-        f"{a.val_windows} windows ({a.val_windows * a.seq_len} characters). Ratios are totals over all buckets "
-        f"and steps; wire_ratio is against a ring allreduce of the dense buckets. Times are per run, seconds.")
+        f"{a.val_windows} windows ({a.val_windows * a.seq_len} characters)."
+        + ("" if fsdp2 else " Ratios are totals over all buckets and steps; wire_ratio is against a ring allreduce "
+                            "of the dense buckets. Times are per run, seconds."))
+    if fsdp2:
+        for ln in fsdp2_lines(summary, "bpc", "bits/char", "embed, lstm (both layers) and head", params, exempt,
+                              a.workers):
+            lines += ["", ln]
     for n in notes:
         lines.append("")
         lines.append(f"Note: {n}.")
@@ -188,14 +247,16 @@ PLOTS = {
                "ylabel": "validation bits per character (mean; bars: min-max over seeds)",
                "title": "char-level LSTM on the Python stdlib, {workers} DDP workers: bits/char vs compression"},
 }
+ENGINE_TITLES = {"ddp": "DDP workers", "fsdp2": "FSDP2 ranks"}  # what {workers} counts in a plot's title
 
 
-def plot(summary: List[dict], path: str, workers: int, task: str = "digits") -> None:
+def plot(summary: List[dict], path: str, workers: int, task: str = "digits", engine: str = "ddp") -> None:
     """PNG (``path``) of one task's summary (:func:`summarize`): the mean metric (digits: test
     accuracy, %; charlm: validation bits per character, lower is better) against bits per element,
     log x, error bars min..max over seeds, one series per error-feedback setting (digits also the
     optimizer rows), each point labelled with its codec; the dense run (codec none without error
-    feedback) as a dashed line. ``task``: a key of :data:`PLOTS`.
+    feedback; under ``engine`` fsdp2 the dense row, FSDP2 without gradcomp, when the sweep has one)
+    as a dashed line. ``task``: a key of :data:`PLOTS`.
 
     Raises:
         KeyError: an unknown task.
@@ -220,16 +281,22 @@ def plot(summary: List[dict], path: str, workers: int, task: str = "digits") -> 
         y = [s[key] for s in pts]
         yerr = [[s[key] - s[lo] for s in pts], [s[hi] - s[key] for s in pts]]
         ax.errorbar(x, y, yerr=yerr, fmt=marker, color=color, capsize=3, linestyle="none", label=label)
-        _annotate(ax, pts, key, color, dy, spec["best"])
-    dense = [s[key] for s in summary if s["codec"] == "none" and not s["error_feedback"]]
+        # under fsdp2 dense (32.000) and none (headers: 32.01) share a label: round to 0.1 bit
+        _annotate(ax, pts, key, color, dy, spec["best"], 6 if engine == "ddp" else 1)
+    dense = [s[key] for s in summary if s["codec"] == DENSE]
+    label = f"{DENSE} (FSDP2 without gradcomp)"
+    if not dense:
+        dense = [s[key] for s in summary if s["codec"] == "none" and not s["error_feedback"]]
+        label = "dense (codec none)"
     if dense:
-        ax.axhline(dense[0], color="gray", linestyle="--", linewidth=0.8, label="dense (codec none)")
+        ax.axhline(dense[0], color="gray", linestyle="--", linewidth=0.8, label=label)
     ax.set_xscale("log")
     if spec["x_margin"] is not None:
         ax.margins(x=spec["x_margin"])
     ax.set_xlabel("bits per gradient element (8 x packet bytes / numel, log scale)")
     ax.set_ylabel(spec["ylabel"])
-    ax.set_title(spec["title"].format(workers=workers))
+    title = spec["title"].format(workers=workers)
+    ax.set_title(title if engine == "ddp" else title.replace(ENGINE_TITLES["ddp"], ENGINE_TITLES[engine]))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc=spec["legend"])
     fig.tight_layout()
@@ -237,18 +304,18 @@ def plot(summary: List[dict], path: str, workers: int, task: str = "digits") -> 
     plt.close(fig)
 
 
-def _annotate(ax, pts: List[dict], key: str, color: str, dy: int, pick: Callable) -> None:
-    """One label per point; codecs with the same bits per element (fp16, bf16) share it, placed at
-    ``pick`` (max or min) of their ``key`` values."""
+def _annotate(ax, pts: List[dict], key: str, color: str, dy: int, pick: Callable, ndigits: int = 6) -> None:
+    """One label per point; codecs with the same bits per element (fp16, bf16; rounded to
+    ``ndigits`` decimals) share it, placed at ``pick`` (max or min) of their ``key`` values."""
     labels: Dict[float, List[str]] = {}
     for s in pts:
-        labels.setdefault(round(s["bits_per_element"], 6), []).append(
+        labels.setdefault(round(s["bits_per_element"], ndigits), []).append(
             s["codec"].replace("topk:ratio=", "top-k ").replace("powersgd:rank=", "PowerSGD r"))
     for s in pts:
-        k = round(s["bits_per_element"], 6)
+        k = round(s["bits_per_element"], ndigits)
         if k not in labels:
             continue
-        same = [t for t in pts if round(t["bits_per_element"], 6) == k]
+        same = [t for t in pts if round(t["bits_per_element"], ndigits) == k]
         ax.annotate("/".join(labels.pop(k)), (s["bits_per_element"], pick(t[key] for t in same)),
                     textcoords="offset points", xytext=(4, dy), fontsize=7, color=color)
 
@@ -284,6 +351,9 @@ def digits_rows(plans: List[dict], results: List[list], workers: int, epochs: in
                    seed=cfg["seed"], workers=workers, epochs=epochs, train_loss=r0["train_loss"])
         if "curve" in r0:
             row["curve"] = r0["curve"]
+        for k in ("exempt_numel", "params"):  # --engine fsdp2 (the JSON; not CSV columns)
+            if k in r0:
+                row[k] = r0[k]
         rows.append(row)
     return rows
 
@@ -297,6 +367,8 @@ def charlm_rows(plans: List[dict], results: List[list], workers: int) -> List[di
         row = {k: r0[k] for k in CHARLM_CSV_COLUMNS if k in r0}
         row.update(codec=cfg["codec"], error_feedback=cfg["error_feedback"], seed=cfg["seed"],
                    workers=workers, train_loss=r0["train_loss"])
+        if "exempt_numel" in r0:  # --engine fsdp2 (the JSON; not a CSV column)
+            row["exempt_numel"] = r0["exempt_numel"]
         rows.append(row)
     return rows
 
@@ -310,7 +382,10 @@ def _digits(a: argparse.Namespace, sw: argparse.Namespace):
     if sw.link_desc is not None:
         link = link_target(rows, summary, sw.link_desc)
         columns = CSV_COLUMNS + ["time_to_target_s", "epochs_to_target"]
-    table = format_table(summary, a.workers, link)
+    engine = getattr(t, "engine", "ddp")
+    exempt = max((r["exempt_numel"] for r in rows if r.get("exempt_numel")), default=None)
+    params = max((r["params"] for r in rows if r.get("params")), default=None)
+    table = format_table(summary, a.workers, link, engine=engine, params=params, exempt=exempt)
     if a.notes and any(n.startswith("digits:") for n in a.notes):
         table += "".join(f"\n\nNote: {n}." for n in a.notes if n.startswith("digits:"))
     config = dict(vars(t), task=task, full=a.full, out=a.out)
@@ -329,7 +404,8 @@ def _charlm(a: argparse.Namespace, sw: argparse.Namespace):
     notes = [n for n in a.notes if n.startswith("charlm:")]
     if sw.link_desc is not None:
         notes.append(f"charlm: run behind {sw.link_desc} (the time to a target is reported for digits only)")
-    table = format_charlm_table(summary, t, sw.corpus, params, notes)
+    exempt = max((r["exempt_numel"] for r in rows if r.get("exempt_numel")), default=None)
+    table = format_charlm_table(summary, t, sw.corpus, params, notes, exempt=exempt)
     config = dict(vars(t), task=task, full=a.full, out=a.out, params=params)
     js = {"config": config, "corpus": sw.corpus, "wall_s": sw.walls[task], "runs": rows, "summary": summary}
     return rows, summary, table, CHARLM_CSV_COLUMNS, js
@@ -340,14 +416,17 @@ def write(a: argparse.Namespace, sw: argparse.Namespace, out: TextIO) -> List[Di
     :func:`gradcomp.experiments.args.parse_args`, ``sw`` from :func:`gradcomp.experiments.sweep.run`)
     and print to ``out`` each task's table with its run count and wall time, the total, and the
     absolute path of every file. Returns the paths written, per task in ``a.tasks`` order
-    (``{"table", "csv", "json", "plot"}`` each)."""
+    (``{"table", "csv", "json", "plot"}`` each; :func:`output_files`: under ``--engine fsdp2``
+    :data:`OUTPUT_FILES_FSDP2`)."""
     written = []
+    engine = getattr(a, "engine", "ddp")
     for task in a.tasks:
-        paths = {k: os.path.join(a.out, f) for k, f in OUTPUT_FILES[task].items()}
+        paths = {k: os.path.join(a.out, f) for k, f in output_files(task, engine).items()}
         rows, summary, table, columns, js = (_digits if task == "digits" else _charlm)(a, sw)
         write_files(paths, table, sw.walls[task], columns, rows, js)
-        plot(summary, paths["plot"], a.workers, task)
-        out.write(f"## {task}\n\n{table}\n\n{len(rows)} {task} runs in {sw.walls[task]:.1f} s\n\n")
+        plot(summary, paths["plot"], a.workers, task, engine)
+        title = task if engine == "ddp" else f"{task} (--engine {engine})"
+        out.write(f"## {title}\n\n{table}\n\n{len(rows)} {task} runs in {sw.walls[task]:.1f} s\n\n")
         written.append(paths)
     out.write(f"{sw.total_runs} runs in {sw.wall_all:.1f} s (with the workers' start)\n")
     for paths in written:

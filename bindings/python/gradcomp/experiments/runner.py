@@ -65,7 +65,10 @@ def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int):
 
 def train_run(rank: int, world: int, cfg: dict) -> dict:
     """One training run on this rank (a pool job). ``cfg`` keys: codec, error_feedback, seed,
-    epochs, lr, momentum, batch_size (per rank), hidden, bucket_cap_mb, weight_decay.
+    epochs, lr, momentum, batch_size (per rank), hidden, bucket_cap_mb, weight_decay; optional
+    optimizer (sgd, adam, onebit_adam; default sgd) and engine ("ddp", default, or "fsdp2": the
+    MLP sharded by FSDP2, its Linear layers one unit each, with gradcomp's compressed
+    reduce-scatter or FSDP2's own for codec "dense", :mod:`gradcomp.experiments.fsdp2`; SGD only).
 
     Returns (every rank) a dict: test_accuracy (percent, full test set), train_loss (per-epoch
     mean over all ranks' batches), the hook's byte/time totals, compute and wall seconds, and a
@@ -80,17 +83,31 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     xtr, ytr, xte, yte = load_data()
     torch.manual_seed(cfg["seed"])
     model = make_model(cfg["hidden"])
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+    engine = cfg.get("engine", "ddp")
+    kind = cfg.get("optimizer", "sgd")
+    if engine == "fsdp2":
+        from . import fsdp2
+
+        if kind != "sgd":
+            raise ValueError(f"experiment: optimizer={kind!r} under FSDP2; accepted: sgd (the optimizer rows run "
+                             f"under DDP only)")
+        numels = {n: p.numel() for n, p in model.named_parameters()}
+        units = fsdp2.shard(model, world)
+        ddp = model  # the FSDPModule: forward, parameters (DTensors)
+    elif engine == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+    else:
+        raise ValueError(f"experiment: engine={engine!r}; accepted: ddp, fsdp2")
     bs = cfg["batch_size"]
     n = xtr.shape[0]
     per_rank = n // world
     steps = per_rank // bs
     total_steps = steps * cfg["epochs"]
-    kind = cfg.get("optimizer", "sgd")
     state = None
     peak_lr = cfg["lr"]
     if kind == "sgd":
-        state = register_hook(ddp, cfg["codec"], cfg["error_feedback"], start_iter=0)
+        state = (fsdp2.register(model, cfg["codec"], cfg["error_feedback"]) if engine == "fsdp2" else
+                 register_hook(ddp, cfg["codec"], cfg["error_feedback"], start_iter=0))
         opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
                               weight_decay=cfg.get("weight_decay", 0.0))
     elif kind == "adam":  # torch's Adam under plain DDP: every step allreduces the float32 gradients
@@ -136,13 +153,19 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         losses.append(float(loss_sum[0] / loss_sum[1]))
         if rank == 0:
             report({"epoch": epoch + 1, "loss": losses[-1]})
+    if engine == "fsdp2":  # a plain copy with the full parameters (every rank), evaluated as under DDP
+        st = fsdp2.run_stats(state, units, world, total_steps)
+        extra = {"exempt_numel": fsdp2.exempt_numel(state, numels), "params": sum(numels.values())}
+        model = fsdp2.gathered(model, lambda: make_model(cfg["hidden"]))
     with torch.no_grad():
         model.eval()
         pred = model(xte).argmax(1)
         acc = 100.0 * float((pred == yte).float().mean())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         checksum = int(flat.view(torch.int32).to(torch.int64).sum())
-    if state is not None:
+    if engine == "fsdp2":
+        pass  # st: above
+    elif state is not None:
         st = state.stats()
     else:
         st = optimizer_stats(kind, opt, model, world, total_steps)
@@ -155,6 +178,7 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         "train_s": compute_s,
         "wall_s": time.perf_counter() - t_start,
         "param_checksum": checksum,
+        **(extra if engine == "fsdp2" else {}),
     }
 
 

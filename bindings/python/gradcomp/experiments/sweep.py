@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional
 
 from . import charlm
 from .args import OPTIMIZERS, QUANT_SEED_FAMILIES, family
+from .fsdp2 import DENSE
 
 
 def seeds_for(codec: str, a: argparse.Namespace) -> int:
@@ -26,7 +27,10 @@ def seeds_for(codec: str, a: argparse.Namespace) -> int:
 def efs_for(codec: str, a: argparse.Namespace) -> List[bool]:
     """Error-feedback settings of a codec's runs, from the task's ``ef``: both (under which codec
     none runs without error feedback only: its residual is exactly zero, so the run with it is the
-    same run), on, off, auto (on; codec none off)."""
+    same run), on, off, auto (on; codec none off). ``dense`` (FSDP2's own reduce-scatter, no
+    gradcomp) runs without error feedback whatever ``ef`` says."""
+    if family(codec) == DENSE:
+        return [False]
     none = family(codec) == "none"
     if a.ef == "auto":
         return [not none]
@@ -40,7 +44,7 @@ def plan_runs(a: argparse.Namespace) -> List[dict]:
     then seed (SGD with the gradcomp hook); then the optimizer rows (``--optimizers``), seed by
     seed."""
     common = dict(epochs=a.epochs, lr=a.lr, momentum=a.momentum, batch_size=a.batch_size, hidden=a.hidden,
-                  bucket_cap_mb=a.bucket_cap_mb, weight_decay=a.weight_decay)
+                  bucket_cap_mb=a.bucket_cap_mb, weight_decay=a.weight_decay, engine=getattr(a, "engine", "ddp"))
     runs = [dict(common, codec=c, optimizer="sgd", error_feedback=ef, seed=s)
             for c in a.codec_list for ef in efs_for(c, a) for s in range(seeds_for(c, a))]
     for o in a.optimizer_list:
@@ -53,11 +57,12 @@ def plan_runs(a: argparse.Namespace) -> List[dict]:
 
 def plan_charlm_runs(a: argparse.Namespace) -> List[dict]:
     """The charlm runs, in order (``a``: ``parse_args(...).charlm``): codec, then error feedback,
-    then seed; each a :func:`gradcomp.experiments.charlm.train_run` configuration."""
+    then seed; each a :func:`gradcomp.experiments.charlm.train_run` configuration (with the
+    task's ``engine``: the same settings under DDP and FSDP2)."""
     common = dict(steps=a.steps, optimizer=a.optimizer, lr=a.lr, momentum=a.momentum, clip=a.clip,
                   batch_size=a.batch_size, seq_len=a.seq_len, embed=a.embed, hidden=a.hidden,
                   bucket_cap_mb=a.bucket_cap_mb, start_iter=a.start_iter, val_windows=a.val_windows,
-                  corpus_max_bytes=a.corpus_bytes, progress_every=10)
+                  corpus_max_bytes=a.corpus_bytes, progress_every=10, engine=getattr(a, "engine", "ddp"))
     return [dict(common, codec=c, error_feedback=ef, seed=s)
             for c in a.codec_list for ef in efs_for(c, a) for s in range(seeds_for(c, a))]
 

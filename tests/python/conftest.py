@@ -6,7 +6,7 @@ import sys
 # multiproc - real gloo process groups (pools or spawned processes); deepspeed - DeepSpeed
 # trainings or its backend; netns - network namespaces (root)
 _MODULE_MARKERS = {
-    "multiproc": ("test_charlm", "test_compressor", "test_ddp_hook", "test_deepspeed_backend",
+    "multiproc": ("test_charlm", "test_compressed_adam", "test_compressor", "test_dgc", "test_ddp_hook", "test_deepspeed_backend",
                   "test_deepspeed_integration", "test_experiment", "test_failures", "test_fsdp", "test_hierarchical",
                   "test_links", "test_optim", "test_parity", "test_pool", "test_powersgd", "test_protocol",
                   "test_scheme_keys", "test_stochastic_rounding", "test_torch_integration", "test_two_phase"),

@@ -25,11 +25,22 @@ Three ways to run them:
     optimizer=opt, config=...)`` then :func:`gradcomp.deepspeed.install` ``(engine)``: the
     engine averages during the warm-up and its gradient allreduce is off afterwards.
 ``opt.comm_stats()`` reports the bytes this rank sent.
+
+Two more methods for any codec, which exchange in ``step()`` too (the same three ways to run):
+  - :class:`CompressedAdam`: 1-bit Adam's recipe for every codec and scheme (a dense warm-up, then
+    the variance frozen and the momentum averaged through a :class:`gradcomp.torch.Compressor` with
+    worker and server error feedback);
+  - :class:`DGC`: Deep Gradient Compression for momentum SGD (Lin et al., ICLR 2018): momentum
+    correction, momentum factor masking, local gradient clipping, a density warm-up
+    (:func:`warmup_stages`, :func:`warmup_geometric`), 1-D parameters dense.
 """
 
 from .adam import OnebitAdam
+from .compressed_adam import CompressedAdam
+from .dgc import DGC, warmup_geometric, warmup_stages
 from .hook import onebit_comm_hook, register_comm_hook
 from .lamb import OnebitLamb
 from .zoadam import ZeroOneAdam
 
-__all__ = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam", "onebit_comm_hook", "register_comm_hook"]
+__all__ = ["CompressedAdam", "DGC", "OnebitAdam", "OnebitLamb", "ZeroOneAdam", "onebit_comm_hook",
+           "register_comm_hook", "warmup_geometric", "warmup_stages"]

@@ -3,6 +3,10 @@
 The processes live in a pool (gradcomp.experiments.pool.GlooPool) shared by the session (gloo_pools.py);
 each test runs a job function in every rank and the assertions run inside the ranks.
 
+The hook exempts parameters with fewer than 2 dimensions by default (they go dense); these tests
+are about the codec path, so they pass ``exempt=()`` (every parameter compressed) -- the exemption
+itself is tested in test_policies.py.
+
 Bitwise comparisons (exact bits; floats compared as integer views so NaN and -0.0 count):
   - codec none vs PyTorch's allreduce_hook (W=2: a two-term sum is order-free, and both divide by W
     before one SUM allreduce);
@@ -51,7 +55,7 @@ def job_none_vs_allreduce_hook(rank, world, dtype_name):
     m_ref = ddp(_copy(base), bucket_cap_mb=0.001)
     m_gc = ddp(_copy(base), bucket_cap_mb=0.001)
     m_ref.register_comm_hook(None, default_hooks.allreduce_hook)
-    st = gt.register(m_gc, codec="none", error_feedback=False, scheme="sum", min_compress_numel=0)
+    st = gt.register(m_gc, codec="none", error_feedback=False, scheme="sum", min_compress_numel=0, exempt=())
     g = torch.Generator().manual_seed(rank)
     for step in range(3):
         x = torch.randn(4, 16, generator=g).to(dtype)
@@ -83,7 +87,7 @@ def job_fp16_vs_fp16_hook(rank, world):
     shapes = [(n,)]
     m_ref, m_gc = ddp(Params(shapes)), ddp(Params(shapes))
     m_ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    gt.register(m_gc, codec="fp16", error_feedback=False, min_compress_numel=0)
+    gt.register(m_gc, codec="fp16", error_feedback=False, min_compress_numel=0, exempt=())
     for step in range(2):
         gs = grads_for(m_gc.module, rank, step, scale=10.0)
         if step == 1:  # |g| > 65504 on one rank while g / W fits in fp16
@@ -113,7 +117,7 @@ def job_topk_reference(rank, world, dtype_name, ratio, steps):
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     m = ddp(Reordered().to(dtype), bucket_cap_mb=1200 * 4 / 2**20)
-    st = gt.CompressionState(m, codec=f"topk:ratio={ratio}", min_compress_numel=0, scheme="gather")
+    st = gt.CompressionState(m, codec=f"topk:ratio={ratio}", min_compress_numel=0, exempt=(), scheme="gather")
     log = recording(st, m)
     layouts = []
     g = torch.Generator().manual_seed(rank)
@@ -144,7 +148,7 @@ def job_ratio1_vs_dense(rank, world):
     shapes = [(300,), (17, 9)]
     m_ref, m_gc = ddp(Params(shapes)), ddp(Params(shapes))
     m_ref.register_comm_hook(None, default_hooks.allreduce_hook)
-    gt.register(m_gc, codec="topk:ratio=1.0", scheme="gather", min_compress_numel=0)
+    gt.register(m_gc, codec="topk:ratio=1.0", scheme="gather", min_compress_numel=0, exempt=())
     for step in range(3):
         gs = grads_for(m_gc.module, rank, step)
         for m in (m_ref, m_gc):
@@ -165,7 +169,7 @@ def job_checkpoint(rank, world):
     torch.manual_seed(0)
     base = Params(shapes)
     m1 = ddp(_copy(base))
-    st1 = gt.register(m1, codec="topk:ratio=0.05", min_compress_numel=0)
+    st1 = gt.register(m1, codec="topk:ratio=0.05", min_compress_numel=0, exempt=())
     for step in range(3):
         m1.zero_grad()
         m1(grads_for(base, rank, step)).backward()
@@ -174,7 +178,7 @@ def job_checkpoint(rank, world):
     buf.seek(0)
     sd = torch.load(buf)
     m2 = ddp(_copy(base))
-    st2 = gt.register(m2, codec="topk:ratio=0.05", min_compress_numel=0)
+    st2 = gt.register(m2, codec="topk:ratio=0.05", min_compress_numel=0, exempt=())
     st2.load_state_dict(sd)
     assert st2.iter == st1.iter == 3
     a, b = st1.state_dict()["residuals"], st2.state_dict()["residuals"]
@@ -191,7 +195,8 @@ def job_checkpoint(rank, world):
     for k, v in st1.state_dict()["residuals"].items():
         assert torch.equal(v.view(torch.int32), st2.state_dict()["residuals"][k].view(torch.int32))
     # another world size: residuals dropped with a warning
-    check_world_size_change_drops(gt.register(ddp(_copy(base)), codec="topk:ratio=0.05", min_compress_numel=0),
+    check_world_size_change_drops(gt.register(ddp(_copy(base)), codec="topk:ratio=0.05", min_compress_numel=0,
+                                              exempt=()),
                                   sd, world)
     return True
 
@@ -204,7 +209,7 @@ def test_checkpoint_round_trip_bit_exact():
 def job_no_sync(rank, world):
     shapes = [(400,), (10, 10)]
     m = ddp(Params(shapes))
-    st = gt.CompressionState(m, codec="topk:ratio=0.1", min_compress_numel=0)
+    st = gt.CompressionState(m, codec="topk:ratio=0.1", min_compress_numel=0, exempt=())
     log = recording(st, m)
     gsteps = [grads_for(m.module, rank, s) for s in range(3)]
     with m.no_sync():
@@ -229,7 +234,7 @@ def test_no_sync_accumulation():
 def job_join(rank, world):
     shapes = [(600,)]
     m = ddp(Params(shapes))
-    st = gt.CompressionState(m, codec="topk:ratio=0.05", min_compress_numel=0)
+    st = gt.CompressionState(m, codec="topk:ratio=0.05", min_compress_numel=0, exempt=())
     log = recording(st, m)
     steps = 2 if rank == 0 else 4
     with m.join():
@@ -257,7 +262,7 @@ def job_nonfinite(rank, world):
     shapes = [(300,), (5, 7)]
     # top-k, restore: NaN on rank 0 at step 2
     m = ddp(Params(shapes))
-    st = gt.CompressionState(m, codec="topk:ratio=0.1", min_compress_numel=0, nonfinite="restore")
+    st = gt.CompressionState(m, codec="topk:ratio=0.1", min_compress_numel=0, exempt=(), nonfinite="restore")
     log = recording(st, m)
     for s in range(5):
         gs = grads_for(m.module, rank, s)
@@ -276,7 +281,7 @@ def job_nonfinite(rank, world):
     assert st.stats()["nonfinite_steps"] == 1
     # bf16 (sum scheme), reset: inf on rank 1 at step 1
     m2 = ddp(Params(shapes))
-    st2 = gt.CompressionState(m2, codec="bf16", min_compress_numel=0, nonfinite="reset")
+    st2 = gt.CompressionState(m2, codec="bf16", min_compress_numel=0, exempt=(), nonfinite="reset")
     log2 = recording(st2, m2)
     for s in range(3):
         gs = grads_for(m2.module, rank, s)
@@ -306,7 +311,7 @@ def test_nonfinite_restore_and_reset():
 def job_zoo(rank, world):
     torch.manual_seed(0)
     m = ddp(Zoo(), find_unused_parameters=True, bucket_cap_mb=0.004)
-    st = gt.CompressionState(m, codec="topk:ratio=0.1", min_compress_numel=0, scheme="gather")
+    st = gt.CompressionState(m, codec="topk:ratio=0.1", min_compress_numel=0, exempt=(), scheme="gather")
     log = recording(st, m)
     g = torch.Generator().manual_seed(rank)
     for step in range(3):
@@ -337,7 +342,7 @@ def job_dense_paths(rank, world):
     # (a) start_iter: dense steps first, then compressed; stats formulas
     shapes = [(2000,), (50, 40)]
     m = ddp(Params(shapes))
-    st = gt.register(m, codec="topk:ratio=0.01", start_iter=2, min_compress_numel=0, log_every=1)
+    st = gt.register(m, codec="topk:ratio=0.01", start_iter=2, min_compress_numel=0, exempt=(), log_every=1)
     import logging
 
     msgs = []
@@ -367,7 +372,7 @@ def job_dense_paths(rank, world):
     # (b) rebuild moves a.weight into a bucket under min_compress_numel: its residual is flushed
     torch.manual_seed(0)
     m2 = ddp(Reordered(), bucket_cap_mb=1200 * 4 / 2**20)
-    st2 = gt.CompressionState(m2, codec="topk:ratio=0.05", min_compress_numel=500)
+    st2 = gt.CompressionState(m2, codec="topk:ratio=0.05", min_compress_numel=500, exempt=())
     log = recording(st2, m2)
     g = torch.Generator().manual_seed(rank)
     for s in range(3):

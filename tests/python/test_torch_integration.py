@@ -85,12 +85,13 @@ def step_params(m, gs):
 
 
 def trained(shapes, rank, steps):
-    """A Params model of ``shapes`` (seed 0) in DDP with top-k 0.05 registered, after ``steps``
-    steps of seeded gradients. Returns (the initial module, the DDP model, the state)."""
+    """A Params model of ``shapes`` (seed 0) in DDP with top-k 0.05 registered on every parameter
+    (``exempt=()``: the checkpoint tests follow every residual), after ``steps`` steps of seeded
+    gradients. Returns (the initial module, the DDP model, the state)."""
     torch.manual_seed(0)
     base = Params(shapes)
     m = ddp(copy.deepcopy(base))
-    st = gt.register(m, codec="topk:ratio=0.05", min_compress_numel=0)
+    st = gt.register(m, codec="topk:ratio=0.05", min_compress_numel=0, exempt=())
     for step in range(steps):
         step_params(m, grads_for(base, rank, step, seed=SEED))
     return base, m, st
@@ -284,7 +285,7 @@ class Complexes(nn.Module):
 def job_complex(rank, world):
     m_ref, m_gc = ddp(Complexes()), ddp(Complexes())
     m_ref.register_comm_hook(None, default_hooks.allreduce_hook)
-    st = gt.register(m_gc, codec="topk:ratio=0.05", min_compress_numel=0)
+    st = gt.register(m_gc, codec="topk:ratio=0.05", min_compress_numel=0, exempt=())
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for step in range(3):
@@ -324,7 +325,7 @@ def _amp_run(rank, scaler, attach, steps=7, overflow_step=4):
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 10))
     m = ddp(model)
-    st = gt.register(m, codec="topk:ratio=0.1", scheme="gather", min_compress_numel=0)
+    st = gt.register(m, codec="topk:ratio=0.1", scheme="gather", min_compress_numel=0, exempt=())
     if attach:
         st.attach_grad_scaler(scaler)
     opt = torch.optim.SGD(m.parameters(), lr=0.05)

@@ -16,7 +16,9 @@ and -0.0 count):
   - the Compressor across a bucket rebuild, a dense flush, a checkpoint round trip (bit-exact, and
     folded into another layout), a non-finite step (restore / reset of both residuals);
   - the DDP hook across DDP's bucket rebuild, a rebuild into a dense bucket (flush), a checkpoint
-    (round trip, a pickled state, another bucketing), a non-finite step, join();
+    (round trip, a pickled state, another bucketing), a non-finite step, join() -- with
+    ``exempt=()`` (every parameter compressed; the hook's default exempts 1-D parameters, which
+    test_policies.py tests);
   - with a GradScaler (scales 4, 8, 2), worker and server residuals / scale against the unscaled
     run (powers of two commute with every rounding and block scale).
 
@@ -735,7 +737,7 @@ def check_hook_log(rank, world, spec, log, init=None, nonfinite_steps=(), zero_a
 def job_hook_rebuild(rank, world, spec, min_numel):
     torch.manual_seed(0)
     m = ddp(Reordered(), bucket_cap_mb=1200 * 4 / 2 ** 20)
-    st = gt.CompressionState(m, codec=spec, scheme="two_phase", min_compress_numel=min_numel)
+    st = gt.CompressionState(m, codec=spec, scheme="two_phase", min_compress_numel=min_numel, exempt=())
     log = recording(st, m)
     g = torch.Generator().manual_seed(SEED + rank)
     layouts = []
@@ -777,7 +779,7 @@ def _params_model(rank, shapes, cap, spec, steps, **kw):
     torch.manual_seed(0)
     base = InOrder(shapes)
     m = ddp(copy.deepcopy(base), bucket_cap_mb=cap)
-    st = gt.register(m, codec=spec, scheme="two_phase", min_compress_numel=0, **kw)
+    st = gt.register(m, codec=spec, scheme="two_phase", min_compress_numel=0, exempt=(), **kw)
     for step in range(steps):
         m.zero_grad()
         m(grads_for(base, rank, step, seed=SEED)).backward()
@@ -795,7 +797,7 @@ def job_hook_checkpoint(rank, world, spec):
     # the same bucketing: bit-exact, and both continue identically; so does a pickled state
     assert [p for _, _, p in sorted(st1.bucket_layouts()[0]["params"], key=lambda q: q[1])] == [500, 600, 1]
     m2 = ddp(copy.deepcopy(base))
-    st2 = gt.register(m2, codec=spec, scheme="two_phase", min_compress_numel=0)
+    st2 = gt.register(m2, codec=spec, scheme="two_phase", min_compress_numel=0, exempt=())
     st2.load_state_dict(sd)
     m5 = ddp(copy.deepcopy(base))
     st5 = gt.register(m5, state=pickle.loads(pickle.dumps(st1)))
@@ -814,7 +816,7 @@ def job_hook_checkpoint(rank, world, spec):
     # vs the simulation started from the folded residuals
     sd = st1.state_dict()
     m3 = ddp(copy.deepcopy(base), bucket_cap_mb=2000 / 2 ** 20)
-    st3 = gt.CompressionState(m3, codec=spec, scheme="two_phase", min_compress_numel=0)
+    st3 = gt.CompressionState(m3, codec=spec, scheme="two_phase", min_compress_numel=0, exempt=())
     log = recording(st3, m3)
     st3.load_state_dict(sd)
     for step in range(5, 7):
@@ -826,7 +828,7 @@ def job_hook_checkpoint(rank, world, spec):
     checked, _ = check_hook_log(rank, world, spec, log, init=init)
     assert checked == len(log)
     # (c) another world size: residuals and server residuals dropped, with a warning
-    st4 = gt.register(ddp(copy.deepcopy(base)), codec=spec, scheme="two_phase", min_compress_numel=0)
+    st4 = gt.register(ddp(copy.deepcopy(base)), codec=spec, scheme="two_phase", min_compress_numel=0, exempt=())
     check_world_size_change_drops(st4, sd, world)
     assert st4.state_dict()["server_residuals"] == []
     # a server residual naming a parameter the model does not have
@@ -848,7 +850,7 @@ def test_hook_checkpoint_server_residuals(world, spec):
 def job_hook_nonfinite(rank, world, spec, mode):
     shapes = [(300,), (5, 7), (700,)]
     m = ddp(Params(shapes))
-    st = gt.CompressionState(m, codec=spec, scheme="two_phase", min_compress_numel=0, nonfinite=mode)
+    st = gt.CompressionState(m, codec=spec, scheme="two_phase", min_compress_numel=0, nonfinite=mode, exempt=())
     log = recording(st, m)
     for s in range(5):
         gs = grads_for(m.module, rank, s, seed=SEED)
@@ -878,7 +880,7 @@ def test_hook_nonfinite_worker_and_server(world, spec, mode):
 def job_hook_join(rank, world, spec):
     shapes = [(600,), (41,)]
     m = ddp(Params(shapes))
-    st = gt.CompressionState(m, codec=spec, scheme="two_phase", min_compress_numel=0)
+    st = gt.CompressionState(m, codec=spec, scheme="two_phase", min_compress_numel=0, exempt=())
     log = recording(st, m)
     steps = 2 if rank == 0 else 4
     with m.join():

@@ -18,6 +18,7 @@ fp16_compress_hook).
 import functools
 import logging
 import os
+import pickle
 import warnings
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -35,6 +36,7 @@ from ..schemes.check import PeerCheck
 from ..schemes.context import chain, completed
 from . import protocol
 from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
+from .policy import DENSE, ExemptArg, Exemptions, Ramp, RampArg, entry_size, spec_of
 from .protocol import BaseCompressor, LossScale, check_allreduce_args  # noqa: F401 (re-exported)
 from .residuals import NONFINITE_MODES, Layout, ResidualStore
 from .stats import CORRUPT_MODES, LOCAL, Stats
@@ -49,7 +51,8 @@ CAST_CODECS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 PICKLE_VERSION = 2
 """Format of a pickled Compressor; 2 added local_world_size, inner_scheme and cost_model (a
-version-1 pickle loads with their defaults), and later seed (read as 0 when absent)."""
+version-1 pickle loads with their defaults), and later seed (read as 0 when absent), exempt and
+ramp (read as ``()`` and None when absent: what a Compressor before them did)."""
 
 def scheme_choices() -> Tuple[str, ...]:
     """The ``scheme`` values: ``"auto"`` and every scheme of the table (:mod:`gradcomp.schemes.table`)."""
@@ -71,7 +74,10 @@ def __getattr__(name: str):
         return inner_choices()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-ParamMap = Sequence[Tuple[str, int, int]]
+ParamMap = Sequence[Tuple[str, int, Any]]
+"""``[(name, offset, length | shape | tensor)]``: offsets and lengths in elements of the flat
+tensor; a shape (tuple, ``torch.Size``) or a tensor (the parameter) also tells the exemption rule
+its dimensions (:mod:`gradcomp.torch.policy`)."""
 
 
 def check_options(*, scheme: str, nonfinite: str, ints: Sequence[Tuple[str, Any]], error_feedback: Any,
@@ -138,21 +144,131 @@ def resolve_local_world_size(local_world_size: Optional[int], world_size: int, s
 
 
 class _Route:
-    """A layout with the scheme chosen for it, the scheme's layout options (its description's
-    ``route``: hierarchical's L, scheme across nodes and engine; empty for the others) and, once
-    it compresses, its scheme buffers."""
+    """A layout with the codec and scheme chosen for it, the scheme's layout options (its
+    description's ``route``: hierarchical's L, scheme across nodes and engine; empty for the
+    others) and, once it compresses, its scheme buffers. ``layout`` is the store's layout of what
+    is compressed (the whole tensor, or the compressed part of a bucket holding exempt
+    parameters: ``split``); ``full`` maps the whole tensor (what a dense call flushes)."""
 
-    __slots__ = ("layout", "scheme", "ctx", "options")
+    __slots__ = ("layout", "scheme", "ctx", "options", "codec", "split", "full")
 
-    def __init__(self, layout: Layout, scheme: str, options: Optional[dict] = None):
+    def __init__(self, layout: Layout, scheme: str, options: Optional[dict] = None, codec: Optional[Codec] = None,
+                 split: Optional["_Split"] = None):
         self.layout = layout
         self.scheme = scheme
         self.ctx: Optional[SchemeContext] = None
         self.options = dict(options or {})
+        self.codec = codec
+        self.split = split
+        self.full = layout if split is None else split.full
+
+    def check_params(self) -> list:
+        """The parameter map the ranks' call descriptors carry: the tensor's, with each exempt
+        parameter marked."""
+        if self.split is None:
+            return list(self.layout.params)
+        return [(k, o, n, int(f)) for (k, o, n), f in zip(self.split.full.params, self.split.flags)]
 
     def shown(self) -> dict:
         """The options its scheme shows in stats, layouts and the ranks' call descriptors."""
         return {k: self.options[k] for k in scheme_table.get(self.scheme).shown if k in self.options}
+
+
+def _ranges(spans: List[Tuple[int, int]]) -> List[List[int]]:
+    """Sorted, non-overlapping ``(offset, length)`` spans merged into ``[start, end)`` ranges."""
+    out: List[List[int]] = []
+    for off, n in spans:
+        if out and off == out[-1][1]:
+            out[-1][1] = off + n
+        else:
+            out.append([off, off + n])
+    return out
+
+
+class _Split:
+    """How a flat tensor divides when some parameters of its map are exempt (:mod:`gradcomp.
+    torch.policy`): their elements (the *exempt part*) are averaged dense, the rest (the
+    *compressed part*, elements no parameter covers included) through the scheme. Each part is
+    a view of the tensor when its elements are contiguous, else staged into a tensor of its own
+    (``index_select``) and copied back (``index_copy_``) when the call completes.
+
+    Attributes:
+        sig: what the split was made from (numel, dtype, device, map with the exempt flags).
+        flags: per map entry, whether it is exempt.
+        full: an (unregistered) :class:`Layout` of the whole map, bucket offsets.
+        ex_layout: an (unregistered) :class:`Layout` of the exempt parameters, offsets in the
+            exempt part (what a call flushes their residuals by).
+        comp_map: the compressed parameters, offsets in the compressed part.
+        comp_numel, ex_numel: the parts' elements.
+
+    Raises:
+        ValueError: map entries that overlap or leave the tensor.
+    """
+
+    def __init__(self, key, numel: int, dtype, device, entries: list, flags: Tuple[bool, ...], sig: tuple):
+        self.sig, self.flags, self.numel = sig, tuple(bool(f) for f in flags), int(numel)
+        spans = sorted((off, n, f, name) for (name, off, n, _, _), f in zip(entries, flags) if n > 0)
+        end = 0
+        for off, n, _, name in spans:
+            if off < end or off + n > numel:
+                raise ValueError(f"gradcomp: {_label(key)}: parameter {name!r} at offset {off} with {n} elements "
+                                 f"overlaps another or leaves the tensor of {numel} elements; a map with exempt "
+                                 f"parameters needs disjoint entries")
+            end = off + n
+        ex = _ranges([(off, n) for off, n, f, _ in spans if f])
+        comp, at = [], 0
+        for a, b in ex:
+            if a > at:
+                comp.append([at, a])
+            at = b
+        if at < numel:
+            comp.append([at, numel])
+        self.ex_ranges, self.comp_ranges = ex, comp
+        self.ex_numel = sum(b - a for a, b in ex)
+        self.comp_numel = numel - self.ex_numel
+        self.full = Layout(key, numel, dtype, device, [(name, off, n) for name, off, n, _, _ in entries])
+        ex_map, comp_map = [], []
+        for (name, off, n, _, _), f in zip(entries, self.flags):
+            ranges = ex if f else comp
+            staged = self._staged(ranges, off) if n > 0 else 0
+            (ex_map if f else comp_map).append((name, staged, n))
+        self.ex_layout = Layout(key, self.ex_numel, dtype, device, ex_map)
+        self.comp_map = comp_map
+        self._index: Dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def _staged(ranges: List[List[int]], off: int) -> int:
+        at = 0
+        for a, b in ranges:
+            if a <= off < b:
+                return at + off - a
+            at += b - a
+        return at
+
+    def _part(self, part: str) -> List[List[int]]:
+        return self.ex_ranges if part == "exempt" else self.comp_ranges
+
+    def take(self, flat: torch.Tensor, part: str) -> torch.Tensor:
+        """The ``"exempt"`` or ``"compressed"`` part of ``flat``: a view (one range) or a staged copy."""
+        ranges = self._part(part)
+        if len(ranges) == 1:
+            return flat[ranges[0][0]: ranges[0][1]]
+        if not ranges:
+            return flat[:0]
+        return flat.index_select(0, self._idx(part, flat.device))
+
+    def put(self, flat: torch.Tensor, part: str, t: torch.Tensor) -> None:
+        """Copy the part ``t`` back into ``flat`` (nothing for a view)."""
+        if len(self._part(part)) > 1:
+            flat.index_copy_(0, self._idx(part, flat.device), t)
+
+    def _idx(self, part: str, device) -> torch.Tensor:
+        k = (part, str(device))
+        idx = self._index.get(k)
+        if idx is None:
+            idx = self._index[k] = torch.cat([torch.arange(a, b, dtype=torch.int64, device=device)
+                                              for a, b in self._part(part)])  # on the device: no copy
+        return idx
 
 
 def _label(key) -> str:
@@ -226,6 +342,28 @@ class Compressor(BaseCompressor):
             numbers; every scheme passes ``(seed, step, bucket, chunk)`` to every encode
             (:meth:`gradcomp.schemes.SchemeContext.key_for`), so all ranks draw alike and no
             global generator is touched. Codecs without randomness ignore it.
+        exempt: the parameters of a bucket's map (:meth:`allreduce_bucket`) -- or the names of
+            :meth:`allreduce` -- averaged dense instead of compressed (:mod:`gradcomp.torch.
+            policy`): ``()`` (default here: none), None (those with fewer than 2 dimensions: biases,
+            norms; an entry that carries only a length has no dimensions and is not exempt by
+            this rule; :meth:`allreduce` passes the tensor), a callable ``(name,
+            param_or_shape) -> bool`` (given the map entry's tensor or shape, or its length) or a
+            collection of names / ``fnmatch`` patterns (``["*embed*"]``). A bucket holding exempt
+            parameters is one call: their elements are divided by W and SUM-allreduced (the
+            ``dense`` scheme, as allreduce_hook), the others compressed as usual (the scheme
+            chosen for their count; below ``min_compress_numel`` the whole bucket goes dense),
+            each part staged into a tensor of its own unless contiguous, and the Future completes
+            when both did. Exempt parameters hold no residual: one that holds a residual when it
+            becomes exempt (another rule, a loaded checkpoint) adds it to its dense gradient, as a
+            parameter moving to the dense path does. Settable between steps (:attr:`exempt`).
+        ramp: ``[(step, spec), ...]``: from step ``step`` on (``iter``) the codec is ``spec`` (a
+            codec spec, a :class:`gradcomp.Codec`, or ``"dense"`` for the dense path), e.g.
+            ``[(0, "topk:ratio=0.25"), (50, "topk:ratio=0.0625")]`` (DGC's density warm-up) or
+            ``[(0, "fp16"), (100, "int8"), (200, "int4")]``; before its first step the codec is
+            ``codec``. Steps strictly increase from any int >= 0; every rank switches at the same
+            step. Residuals (float32, codec-independent) carry over; a two_phase server residual is
+            folded into the worker residuals at a switch (as when a layout changes). ``stats()``
+            names the codec of each step (``"dense"`` for a dense one) and totals per codec.
 
     Steps: a step ends at :meth:`end_step`, or when :meth:`allreduce` sees a name a second time
     (so a loop that reduces each name once per iteration needs no call). Records, the one-step-
@@ -270,10 +408,11 @@ class Compressor(BaseCompressor):
 
     Raises:
         ValueError: unknown scheme / nonfinite / on_corrupt / inner_scheme, ``scheme="sum"`` or
-            ``inner_scheme="sum"`` with a non-linear codec, a negative min_compress_numel or
-            log_every; a local_world_size not dividing W, or ``scheme="hierarchical"`` without
-            local_world_size nor LOCAL_WORLD_SIZE (:func:`resolve_local_world_size`).
-        TypeError: error_feedback not a bool; group not a ProcessGroup.
+            ``inner_scheme="sum"`` with a non-linear codec (the ramp's included), a negative
+            min_compress_numel or log_every; a local_world_size not dividing W, or
+            ``scheme="hierarchical"`` without local_world_size nor LOCAL_WORLD_SIZE
+            (:func:`resolve_local_world_size`); a bad ramp entry (the message names it).
+        TypeError: error_feedback not a bool; group not a ProcessGroup; exempt of another type.
         gradcomp.InvalidArgumentError: a bad codec spec.
     """
 
@@ -289,7 +428,7 @@ class Compressor(BaseCompressor):
     def __init__(self, codec: Any, scheme: str = "auto", error_feedback: bool = True, group=None, *,
                  min_compress_numel: int = 1024, nonfinite: str = "restore", on_corrupt: str = "raise",
                  log_every: int = 0, local_world_size: Optional[int] = None, inner_scheme: str = "auto",
-                 cost_model=None, seed: int = 0):
+                 cost_model=None, seed: int = 0, exempt: ExemptArg = (), ramp: RampArg = None):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback, group=group,
                       on_corrupt=on_corrupt,
                       ints=(("min_compress_numel", min_compress_numel), ("log_every", log_every)))
@@ -298,12 +437,18 @@ class Compressor(BaseCompressor):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
             raise ValueError(f"seed={seed!r}; accepted: an int in [0, 2^64), the same on every rank")
         self.seed = int(seed)
+        self._exempt = Exemptions(exempt)
         self.codec = codec if isinstance(codec, Codec) else Codec(str(codec))
         self.linear = bool(self.codec.properties["linear"])
+        self._ramp = Ramp(ramp, self.codec)
         for arg, name in (("scheme", scheme), ("inner_scheme", inner_scheme)):
-            if name != "auto" and not scheme_table.get(name).accepts(self.codec):
-                raise ValueError(f"{arg}={name!r} needs a linear codec; {self.codec.spec} is not linear "
-                                 f"(use 'gather' or 'two_phase')")
+            if name == "auto":
+                continue
+            for c in self._ramp.all_codecs():
+                if not scheme_table.get(name).accepts(c):
+                    where = "" if c is self.codec else " (a codec of the ramp)"
+                    raise ValueError(f"{arg}={name!r} needs a linear codec; {c.spec}{where} is not linear "
+                                     f"(use 'gather' or 'two_phase')")
         world = dist.get_world_size(group)
         self.local_world_size = resolve_local_world_size(local_world_size, world, scheme)
         self._local_world_size_arg = local_world_size
@@ -329,6 +474,7 @@ class Compressor(BaseCompressor):
         self._restored: Optional[dict] = None  # a state_dict from a pickle, loaded on first use
         self._journal = StepJournal(self._rewind)  # undoes a failed step (gradcomp.torch.journal)
         self._verified: Dict[tuple, tuple] = {}  # key -> call signature the ranks agreed on
+        self._splits: Dict[tuple, _Split] = {}  # key -> how its map divides (exempt parameters)
 
     def _config(self, device=None) -> RouteConfig:
         return RouteConfig(self.world_size, self.local_world_size, self.inner_scheme, self.min_compress_numel,
@@ -347,6 +493,37 @@ class Compressor(BaseCompressor):
             scheme_table.get(name).prepare(self.group, self._config())
 
     spec = property(lambda self: self.codec.spec, doc="The codec's canonical spec (read-only).")
+
+    @property
+    def exempt(self):
+        """The ``exempt`` argument (a collection as a tuple; see the class doc). Set it between
+        steps to change which parameters go dense: a parameter that becomes exempt adds its
+        residual to its dense gradient at its next call (and holds none after); one that stops
+        being exempt starts with a zero residual.
+
+        Raises (setting):
+            TypeError: as the constructor's ``exempt``.
+        """
+        return self._exempt.arg
+
+    @exempt.setter
+    def exempt(self, exempt: ExemptArg) -> None:
+        self._exempt = Exemptions(exempt)
+        self._splits.clear()
+
+    def exempted(self) -> List[str]:
+        """The names found exempt so far (sorted)."""
+        return self._exempt.exempted()
+
+    @property
+    def ramp(self) -> List[Tuple[int, str]]:
+        """The ramp as ``[(step, canonical spec or "dense")]`` (empty: ``codec`` at every step)."""
+        return self._ramp.entries()
+
+    def codec_at(self, step: int) -> Optional[Codec]:
+        """The :class:`gradcomp.Codec` that step ``step`` runs (the ramp's, else ``codec``), or
+        None for a dense step of the ramp."""
+        return self._ramp.at(step)
     nonfinite = property(lambda self: self.store.nonfinite, doc="``\"restore\"`` or ``\"reset\"`` (read-only).")
     log_every = property(lambda self: self._stats.log_every, doc="Steps between stats log lines (read-only).")
 
@@ -398,7 +575,7 @@ class Compressor(BaseCompressor):
         if name in self._step_names:
             self.end_step()
         self._step_names.add(name)
-        return self._reduce(tensor, ("name", name), ((name, 0, n),))
+        return self._reduce(tensor, ("name", name), ((name, 0, tensor),))
 
     def allreduce_bucket(self, tensor: torch.Tensor, index: int, params: Union[ParamMap, Callable[[], ParamMap]],
                          *, joined: bool = False, dense: bool = False, dense_reason: str = "") -> torch.futures.Future:
@@ -408,8 +585,10 @@ class Compressor(BaseCompressor):
             tensor: the flat bucket (1-D; float32/float16/bfloat16 compress, others go dense).
             index: the bucket's id (int); a bucket whose ``params`` change at the same index is a
                 new layout (a DDP rebuild): residuals follow their names into it.
-            params: ``[(name, offset, length)]`` in elements of ``tensor``, or a callable returning
-                it (called only when the bucket gets a layout).
+            params: ``[(name, offset, length)]`` in elements of ``tensor`` -- the third element
+                may also be the tensor's shape or the tensor itself (e.g. the parameter), which
+                the ``exempt`` rule then sees -- or a callable returning it. Parameters the rule
+                exempts are averaged dense in the same call (the class doc's ``exempt``).
             joined: this rank has no data (DDP ``join()``): send exact zeros, keep the residuals.
             dense: send this call dense (e.g. a warm-up); its residuals are flushed into it.
             dense_reason: when not empty, why the bucket cannot be compressed (e.g. it holds the
@@ -444,7 +623,7 @@ class Compressor(BaseCompressor):
         return att
 
     def _context(self, att: Attempt, key, scheme: str) -> str:
-        return f"gradcomp: step {att.step}, {_label(key)} (codec {self.codec.spec}, scheme {scheme})"
+        return f"gradcomp: step {att.step}, {_label(key)} (codec {spec_of(self.codec_at(att.step))}, scheme {scheme})"
 
     def _failed(self, att: Attempt, key, scheme: str, e: BaseException) -> BaseException:
         """A call of ``att`` failed with ``e``: undo the step (the first failure) and return the
@@ -455,17 +634,21 @@ class Compressor(BaseCompressor):
     def _not_applied(self, att: Attempt, key, scheme: str) -> NotApplied:
         return not_applied(att, self._context(att, key, scheme))
 
-    def _check(self, att: Attempt, key, tensor, lay: Optional[Layout], scheme: str,
-               route: Optional[_Route] = None) -> Optional[PeerCheck]:
-        """The ranks' call descriptors (:func:`gradcomp.torch.journal.peer_check`)."""
-        params = list(lay.params) if lay is not None else None
+    def _check(self, att: Attempt, key, tensor, route: Optional[_Route], scheme: str,
+               codec: Optional[Codec]) -> Optional[PeerCheck]:
+        """The ranks' call descriptors (:func:`gradcomp.torch.journal.peer_check`): the call's
+        parameter map (exempt entries marked) and the codec of its step (``"dense"`` on a dense
+        step of the ramp)."""
+        params = route.check_params() if route is not None else None
         shown = route.shown() if route is not None and route.scheme == scheme else {}
-        sig = (tensor.numel(), tensor.dtype, scheme, tuple(shown.items()), None if params is None else tuple(params))
+        spec = spec_of(codec)
+        sig = (tensor.numel(), tensor.dtype, scheme, tuple(shown.items()), None if params is None else tuple(params),
+               spec)
 
         def make(now: bool) -> PeerCheck:
             return PeerCheck(self.group, self.world_size, tensor.device, step=att.step, key=key,
-                             numel=tensor.numel(), dtype=tensor.dtype, params=params, spec=self.codec.spec,
-                             spec_hash=self.codec.spec_hash, scheme=scheme,
+                             numel=tensor.numel(), dtype=tensor.dtype, params=params, spec=spec,
+                             spec_hash=codec.spec_hash if codec is not None else 0, scheme=scheme,
                              late=None if now else self._stats.expect_check, **shown)
 
         return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e))
@@ -478,12 +661,14 @@ class Compressor(BaseCompressor):
                                      f"(the tensors are returned as they are); stats() reports the packets codec "
                                      f"{self.codec.spec} would send")
         rec = self._stats.record(self.iter)
-        supported = tensor.layout == torch.strided and tensor.dtype in SUPPORTED_DTYPES
+        codec = self.codec_at(self.iter)
+        self._stats.set_codec(rec, spec_of(codec))
+        supported = tensor.layout == torch.strided and tensor.dtype in SUPPORTED_DTYPES and codec is not None
         dense = planner.dense_bytes(tensor.numel(), tensor.dtype) if tensor.layout == torch.strided else 0
-        packet = int(self.codec.packet_bytes(tensor.numel(), tensor.dtype)) if supported else dense
+        packet = int(codec.packet_bytes(tensor.numel(), tensor.dtype)) if supported else dense
         self._stats.account(rec, {key[0]: key[1], "numel": tensor.numel(), "dtype": dtype_name(tensor.dtype),
-                                  "scheme": LOCAL, "dense_bytes": dense, "packet_bytes": packet,
-                                  "sent_bytes": 0.0, "ring_bytes": 0.0})
+                                  "scheme": LOCAL, "codec": spec_of(codec), "dense_bytes": dense,
+                                  "packet_bytes": packet, "sent_bytes": 0.0, "ring_bytes": 0.0})
         return completed(tensor)
 
     def _reduce(self, tensor, key, params, joined=False, dense=False, dense_reason="") -> torch.futures.Future:
@@ -491,6 +676,8 @@ class Compressor(BaseCompressor):
             return self._single(tensor, key)
         self._load_restored(strict=True)
         att = self._attempt(key)
+        codec = self.codec_at(att.step)  # the ramp's codec of this step (None: a dense step)
+        self._stats.set_codec(att.rec, DENSE if dense or codec is None else codec.spec)
         if self._scale.due(self.iter):
             self._scale.follow(self.store, self.iter)
         kind = "bucket" if key[0] == "index" else "tensor"
@@ -498,70 +685,110 @@ class Compressor(BaseCompressor):
             self._fallback.add(key)
             self._warn_once(("dtype", tensor.dtype, tensor.layout),
                             f"gradcomp: {kind} of dtype {tensor.dtype} / layout {tensor.layout} takes the dense path")
-            check = self._check(att, key, tensor, None, "dense") if tensor.layout == torch.strided else None
-            return self._dense(att, tensor, key, None, joined, check)
+            check = self._check(att, key, tensor, None, "dense", codec) if tensor.layout == torch.strided else None
+            return self._dense(att, tensor, key, None, joined, check, codec)
         if dense_reason:
             self._fallback.add(key)
             self._routes.pop(key, None)
             self._warn_once(("reason", dense_reason), f"gradcomp: {_label(key)} takes the dense path: {dense_reason}")
-            return self._dense(att, tensor, key, None, joined, self._check(att, key, tensor, None, "dense"))
-        route = self._route(key, tensor, params)
+            return self._dense(att, tensor, key, None, joined, self._check(att, key, tensor, None, "dense", codec),
+                               codec)
+        route = self._route(key, tensor, params, codec)
         if dense or route.scheme == "dense":
-            return self._dense(att, tensor, key, route.layout, joined,
-                               self._check(att, key, tensor, route.layout, "dense"))
+            return self._dense(att, tensor, key, route.full, joined,
+                               self._check(att, key, tensor, route, "dense", codec), codec)
         return self._compressed(att, tensor, key, route, joined,
-                                self._check(att, key, tensor, route.layout, route.scheme, route))
+                                self._check(att, key, tensor, route, route.scheme, codec))
 
-    def _route(self, key, tensor, params) -> _Route:
+    def _split(self, key, tensor, entries: list) -> Optional[_Split]:
+        """How ``tensor``'s map divides between exempt and compressed parameters (cached per
+        key), or None when no parameter with elements is exempt."""
+        if self._exempt.exempts_nothing:
+            return None
+        flags = tuple(self._exempt(name, shape, obj) for name, _, _, shape, obj in entries)
+        if not any(f and e[2] > 0 for f, e in zip(flags, entries)):
+            return None
+        sig = (tensor.numel(), tensor.dtype, str(tensor.device),
+               tuple((name, off, n, f) for (name, off, n, _, _), f in zip(entries, flags)))
+        sp = self._splits.get(key)
+        if sp is None or sp.sig != sig:
+            sp = self._splits[key] = _Split(key, tensor.numel(), tensor.dtype, tensor.device, entries, flags, sig)
+        return sp
+
+    def _route(self, key, tensor, params, codec: Optional[Codec]) -> _Route:
         if callable(params):
             params = params()
-        lay = self.store.layout(key, tensor.numel(), tensor.dtype, tensor.device, params)
+        entries = []
+        for name, off, size in params:
+            n, shape, obj = entry_size(size)
+            entries.append((str(name), int(off), n, shape, obj))
+        split = self._split(key, tensor, entries)
+        if split is None:
+            lay = self.store.layout(key, tensor.numel(), tensor.dtype, tensor.device,
+                                    [(name, off, n) for name, off, n, _, _ in entries])
+        else:
+            lay = self.store.layout(key, split.comp_numel, tensor.dtype, tensor.device, split.comp_map)
         route = self._routes.get(key)
-        if route is None or route.layout is not lay:
-            scheme = planner.choose_scheme(self.codec, lay.numel, lay.dtype, self.world_size, self.scheme,
-                                           self.min_compress_numel, cost_model=self.cost_model,
-                                           local_world_size=self.local_world_size)
+        if route is None or route.layout is not lay or route.codec is not codec or route.split is not split:
+            if route is not None and route.layout is lay and route.codec is not codec:
+                # a codec switch (the ramp) folds a server residual as a layout change does
+                self.store.fold(lay)
+            if codec is None:  # a dense step of the ramp
+                scheme, options = DENSE, {}
+            else:
+                scheme = planner.choose_scheme(codec, lay.numel, lay.dtype, self.world_size, self.scheme,
+                                               self.min_compress_numel, cost_model=self.cost_model,
+                                               local_world_size=self.local_world_size)
+                options = scheme_table.get(scheme).route(codec, lay.numel, lay.dtype, self._config(lay.device))
             desc = scheme_table.get(scheme)
-            route = self._routes[key] = _Route(lay, scheme, desc.route(self.codec, lay.numel, lay.dtype,
-                                                                        self._config(lay.device)))
+            route = self._routes[key] = _Route(lay, scheme, options, codec, split)
             self._fallback.discard(key)
-            wire = CAST_CODECS.get(self.codec.spec)
+            wire = CAST_CODECS.get(codec.spec) if codec is not None else None
             if scheme != "dense" and wire is not None and lay.dtype in (torch.float16, torch.bfloat16):
                 dt = dtype_name(lay.dtype)
                 loss = ("" if wire == lay.dtype else
                         "; it also rounds every value to " + dtype_name(wire) +
                         (" (fewer mantissa bits)" if wire == torch.bfloat16 else " (overflows beyond 65504)"))
-                self._warn_once(("cast16", self.codec.spec, lay.dtype),
-                                f"gradcomp: codec {self.codec.spec} on a {dt} {_label(key).split()[0]} saves nothing "
+                self._warn_once(("cast16", codec.spec, lay.dtype),
+                                f"gradcomp: codec {codec.spec} on a {dt} {_label(key).split()[0]} saves nothing "
                                 f"(16 bits per element either way){loss}; use codec 'none' for the same bytes "
                                 f"without a cast, or a smaller codec (e.g. 'topk:ratio=0.01')")
             words = desc.describe(route.options, self.world_size) if route.options else ""
             shown = f"{scheme} ({words})" if words else scheme
-            log.info("gradcomp: %s layout: %d elements, %s, %d parameters, scheme %s (codec %s, W=%d)",
+            ex = (f"; {len(split.ex_layout.params)} exempt parameters ({split.ex_numel} elements) dense"
+                  if split is not None else "")
+            log.info("gradcomp: %s layout: %d elements, %s, %d parameters, scheme %s (codec %s, W=%d)%s",
                      _label(key), lay.numel, dtype_name(lay.dtype), len(lay.params), shown,
-                     self.codec.spec, self.world_size)
-            if self.cost_model is not None and self.scheme == "auto" and lay.numel >= max(1, self.min_compress_numel):
-                choice = self.cost_model.choose(self.codec, lay.numel, lay.dtype, self.world_size,
+                     spec_of(codec), self.world_size, ex)
+            if (codec is not None and self.cost_model is not None and self.scheme == "auto"
+                    and lay.numel >= max(1, self.min_compress_numel)):
+                choice = self.cost_model.choose(codec, lay.numel, lay.dtype, self.world_size,
                                                 local_world_size=self.local_world_size,
                                                 min_compress_numel=self.min_compress_numel)
                 log.info("gradcomp: %s layout: %s", _label(key), planner.choice_report(choice))
         return route
 
-    def _bucket(self, key, tensor, scheme: str, route: Optional[_Route] = None) -> dict:
-        """The stats dict of one call; bytes from the planner with the route's layout options
-        (hierarchical: with ``inner``, ``local_world_size`` and the planner's ``intra_bytes`` /
-        ``inter_bytes``)."""
+    def _bucket(self, key, tensor, scheme: str, route: Optional[_Route] = None, codec: Optional[Codec] = None,
+                part: str = "") -> dict:
+        """The stats dict of one call (or of one part of a call, ``part``: ``"compressed"`` /
+        ``"exempt"``); bytes from the planner with the route's layout options (hierarchical:
+        with ``inner``, ``local_world_size`` and the planner's ``intra_bytes`` /
+        ``inter_bytes``); ``codec`` is the step's (``"dense"`` on a dense step of the ramp)."""
         b = {key[0]: key[1], "numel": tensor.numel(), "dtype": dtype_name(tensor.dtype),
-             "scheme": scheme}
+             "scheme": scheme, "codec": spec_of(codec)}
+        if part:
+            b["part"] = part
         options = route.options if route is not None and route.scheme == scheme else {}
         if options:
             b.update(route.shown())
-        b.update(planner.bucket_bytes(scheme, self.codec, tensor.numel(), tensor.dtype, self.world_size, **options))
+        b.update(planner.bucket_bytes(scheme, codec if codec is not None else self.codec, tensor.numel(),
+                                      tensor.dtype, self.world_size, **options))
         return b
 
-    def _dense(self, att: Attempt, tensor, key, lay: Optional[Layout], joined: bool, check: Optional[PeerCheck]):
+    def _dense(self, att: Attempt, tensor, key, lay: Optional[Layout], joined: bool, check: Optional[PeerCheck],
+               codec: Optional[Codec] = None):
         rec = att.rec
-        b = self._bucket(key, tensor, "dense")
+        b = self._bucket(key, tensor, "dense", codec=codec)
         self._stats.account(rec, b)
         # parameters that go dense add their residual to the gradient they send (ResidualStore.flush);
         # a call of a step that already failed elsewhere changes no residual
@@ -602,11 +829,17 @@ class Compressor(BaseCompressor):
         return chain(fut, done, f"{_label(key)}: the dense allreduce", on_error=on_error, device=tensor.device)
 
     def _compressed(self, att: Attempt, tensor, key, route: _Route, joined: bool, check: Optional[PeerCheck]):
+        """A compressed call: the route's scheme over the tensor -- or, when the route has a split
+        (exempt parameters), the scheme over the compressed part and the ``dense`` scheme over the
+        exempt part, both launched here (compressed first, every collective from the calling
+        thread), one Future for both."""
         rec = att.rec
         lay = route.layout
+        split = route.split
+        codec = route.codec
         desc = scheme_table.get(route.scheme)
         if route.ctx is None:
-            route.ctx = SchemeContext.for_layout(route.scheme, self.codec, lay.numel, lay.dtype, lay.device,
+            route.ctx = SchemeContext.for_layout(route.scheme, codec, lay.numel, lay.dtype, lay.device,
                                                  self.group, self.world_size, rank=self.rank, **route.options)
         # the server residual (ResidualStore docstring): the scheme's server range (two_phase,
         # this rank's chunk; hierarchical with inner two_phase, this rank's piece of its node
@@ -615,7 +848,11 @@ class Compressor(BaseCompressor):
         server = None if piece is None else tuple(piece) + (self.world_size,)
         if self.error_feedback and "residual" in desc.slots:
             self.store.activate(lay, server=server)
-        b = self._bucket(key, tensor, route.scheme, route)
+        flat = tensor.view(-1)
+        if joined:
+            tensor.zero_()
+        comp = tensor if split is None else split.take(flat, "compressed")
+        b = self._bucket(key, comp, route.scheme, route, codec, "compressed" if split is not None else "")
         probe = self._stats.probe(rec, b, tensor.device, _label(key))
         # joined ranks send exact zeros and keep their worker residuals; under two_phase (and
         # hierarchical's inner two_phase) they still sum their chunk for the others, with its
@@ -633,38 +870,73 @@ class Compressor(BaseCompressor):
                 if slots:
                     self.store.snapshot(lay, names)  # what a failed or (restore) non-finite step puts back
                     att.on_undo(functools.partial(self.store.restore, lay, names))
-        undo_self = functools.partial(self.store.restore, lay, names) if slots else None
-        if joined:
-            tensor.zero_()
+        undos = [functools.partial(self.store.restore, lay, names)] if slots else []
+        ex = None
+        flushed = []
+        if split is not None:
+            # exempt parameters hold no residual: one that still has one (it just became exempt)
+            # adds it to the gradient it sends dense, as a parameter going dense does
+            ex = split.take(flat, "exempt")
+            if not joined and not att.failed:
+                with self._journal.lock:
+                    flushed = self.store.flush(split.ex_layout, ex)
+                    if flushed:
+                        att.on_undo(functools.partial(self.store.unflush, flushed))
+                if flushed:
+                    undos.append(functools.partial(self.store.unflush, flushed))
         scheme = route.scheme
+
+        def undo_self():
+            for fn in undos:
+                fn()
 
         def on_error(e):
             err = self._failed(att, key, scheme, e)
-            if undo_self is not None:  # (again: the step may have failed elsewhere meanwhile)
+            if undos:  # (again: the step may have failed elsewhere meanwhile)
                 with self._journal.lock:
                     undo_self()
             return err
 
         route.ctx.key = (self.seed, att.step & 0xFFFFFFFF, _bucket_id(key))
         try:
-            fut = desc.run(tensor, route.ctx, slots, probe=probe, check=check)
+            fut = desc.run(comp, route.ctx, slots, probe=probe, check=check)
         except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
             raise on_error(e) from e
         self._stats.account(rec, b)
+        if split is not None:
+            be = self._bucket(key, ex, "dense", codec=codec, part="exempt")
+            try:
+                fut_ex = scheme_table.get("dense").run(ex, self._dense_ctx, probe=self._stats.probe(
+                    rec, be, tensor.device, _label(key) + " (exempt parameters)"))
+            except Exception as e:  # noqa: BLE001 - as above (the compressed part is undone when it completes)
+                raise on_error(e) from e
+            self._stats.account(rec, be)
+            parts = [fut, fut_ex]
+            fut = torch.futures.collect_all(parts)  # completes when both have (with the first error)
 
         def done(_):
+            if split is not None:
+                for f in parts:
+                    f.wait()  # (CUDA: the current stream waits for each part)
             with self._journal.lock:
                 if att.failed:  # another call of the step failed: this one's residuals go back too
-                    if undo_self is not None:
+                    if undos:
                         undo_self()
                     raise self._not_applied(att, key, scheme)
+                if split is not None:
+                    split.put(flat, "compressed", comp)
+                    split.put(flat, "exempt", ex)
                 nf = torch.isfinite(tensor).logical_not().any()
                 if slots:
                     self.store.settle(lay, nf, names)
+                for k, pend in (self.store.keep_flushed(flushed, nf) if flushed else ()):
+                    self._stats.on_finite(rec, functools.partial(self.store.drop_pending, k, pend))
                 self._stats.mark_nonfinite(rec, nf)
             return tensor
 
-        return chain(fut, done, f"{_label(key)}: scheme {scheme!r}", on_error=on_error, device=tensor.device)
+        what = f"{_label(key)}: scheme {scheme!r}" + (" and the dense allreduce of its exempt parameters"
+                                                       if split is not None else "")
+        return chain(fut, done, what, on_error=on_error, device=tensor.device)
 
     def _warn_once(self, key, msg):
         """One warning per ``key`` (Python's warnings module: one line, filterable; not also a
@@ -691,13 +963,20 @@ class Compressor(BaseCompressor):
 
     def layouts(self) -> List[dict]:
         """The current layouts: ``[{"index" (bucket) or "name" (tensor), "numel", "dtype",
-        "scheme", "params": [(name, offset, length)]}]`` (offsets and lengths in elements); a
-        hierarchical layout also has ``"inner"`` (its scheme across nodes) and
-        ``"local_world_size"``."""
+        "scheme", "codec", "params": [(name, offset, length)]}]`` (offsets and lengths in
+        elements; ``scheme`` and ``codec``: of the most recent call's step, ``"dense"`` on a dense
+        step of the ramp); a hierarchical layout also has ``"inner"`` (its scheme across nodes)
+        and ``"local_world_size"``. A layout with exempt parameters also has ``"exempt"`` (their
+        names, in map order) and ``"compressed_numel"`` (the elements of its compressed part,
+        which ``scheme`` runs on and whose offsets ``server_residuals()`` and checkpoints use)."""
         out = []
         for key, r in self._routes.items():
-            d = {key[0]: key[1], "numel": r.layout.numel, "dtype": dtype_name(r.layout.dtype),
-                 "scheme": r.scheme, "params": list(r.layout.params)}
+            full = r.full
+            d = {key[0]: key[1], "numel": full.numel, "dtype": dtype_name(full.dtype),
+                 "scheme": r.scheme, "codec": spec_of(r.codec), "params": list(full.params)}
+            if r.split is not None:
+                d["exempt"] = [k for k, _, _ in r.split.ex_layout.params]
+                d["compressed_numel"] = r.layout.numel
             d.update(r.shown())
             out.append(d)
         return out
@@ -752,13 +1031,20 @@ class Compressor(BaseCompressor):
         bytes), ``packet_ratio`` = packet/dense, ``wire_ratio`` = sent/ring, ``bits_per_element``
         = 8 * packet bytes / numel (:mod:`gradcomp.planner`), seconds ``encode_s``, ``decode_s``,
         ``comm_s`` (launch to completion as seen by the callback; CUDA: events read one step
-        late), ``compressed_buckets`` and ``dense_buckets``. ``buckets``: one dict per call of
-        the most recent step (its ``index`` or ``name``, numel, dtype, scheme, bytes, times; a
-        hierarchical call adds ``inner``, ``local_world_size`` and the bytes sent inside and
-        across nodes, ``intra_bytes`` / ``inter_bytes``, whose sum is its ``sent_bytes``:
-        :func:`gradcomp.planner.hierarchical_bytes`). ``failed_steps``: failed steps, left out
-        of the totals. In a group of one nothing is sent: calls are accounted with the packets
-        they would send (scheme ``"local (world size 1)"``, wire ratio = packet ratio).
+        late), ``compressed_buckets`` and ``dense_buckets``; ``step["codec"]``: the codec that step
+        ran (``"dense"`` for a dense step: a dense step of the ramp, the hook's ``start_iter``
+        warm-up). ``buckets``: one dict per call of the most recent step (its ``index`` or
+        ``name``, numel, dtype, scheme, codec, bytes, times; a hierarchical call adds ``inner``,
+        ``local_world_size`` and the bytes sent inside and across nodes, ``intra_bytes`` /
+        ``inter_bytes``, whose sum is its ``sent_bytes``: :func:`gradcomp.planner.
+        hierarchical_bytes`); a bucket holding exempt parameters gives two dicts with ``"part"``
+        ``"compressed"`` (its scheme over the compressed part) and ``"exempt"`` (scheme
+        ``"dense"`` over the exempt elements: a dense ring allreduce's bytes).
+        ``codecs``: ``{codec spec or "dense": {"steps", and the fields and ratios of "total"}}``,
+        the totals split by the codec each step ran (a ramp's phases; dense steps counted as
+        dense ring allreduces). ``failed_steps``: failed steps, left out of the totals. In a
+        group of one nothing is sent: calls are accounted with the packets they would send
+        (scheme ``"local (world size 1)"``, wire ratio = packet ratio).
 
         The totals cover the steps this object ran since it was built or unpickled (a pickle
         keeps them; :meth:`load_state_dict` does not: a resumed run counts from zero while
@@ -810,9 +1096,10 @@ class Compressor(BaseCompressor):
         ``server_residuals`` lists the server residuals of two_phase (and hierarchical with inner
         two_phase) with their layouts (:meth:`gradcomp.torch.residuals.ResidualStore.server_state`:
         key, numel, dtype, parameter map, chunk, world size = fold factor, float32 tensor);
-        ``scheme``, ``local_world_size`` (0: none) and ``inner_scheme`` record the configuration
-        (informational: residuals are owed gradient mass whatever the scheme, so they load into
-        any configuration and are not checked against these); ``grad_scale``
+        ``scheme``, ``local_world_size`` (0: none), ``inner_scheme`` and ``ramp`` (``[[step,
+        spec]]``) record the configuration (informational: residuals are owed gradient mass
+        whatever the scheme or codec, so they load into any configuration and are not checked
+        against these; a loaded ``iter`` picks the ramp's codec); ``grad_scale``
         (float) is the loss scale the residuals are in (1.0 without
         :meth:`attach_grad_scaler`; reading it is a host read of a device scalar, so do not
         call this inside a hook). Residuals differ per rank: save one file per rank.
@@ -826,6 +1113,7 @@ class Compressor(BaseCompressor):
                 "iter": self.iter, "error_feedback": self.error_feedback,
                 "grad_scale": self._scale.value(),
                 "scheme": self.scheme, "local_world_size": self.local_world_size, "inner_scheme": self.inner_scheme,
+                "ramp": [list(e) for e in self._ramp.entries()],
                 "residuals": self.store.state(), "server_residuals": self.store.server_state()}
 
     def mismatches(self, sd: dict) -> List[str]:
@@ -956,14 +1244,32 @@ class Compressor(BaseCompressor):
                 "nonfinite": self.nonfinite, "on_corrupt": self.on_corrupt, "log_every": self.log_every,
                 "local_world_size": self._local_world_size_arg, "inner_scheme": self.inner_scheme,
                 "cost_model": self.cost_model, "seed": self.seed, "explicit_group": self.group is not None,
+                "exempt": self._picklable_exempt(), "ramp": self._ramp.entries(),
                 "state": dict(sd, iter=self.iter), "stats": self._stats,
                 "names": {k: (n, str(d)) for k, (n, d) in self._names.items()},
                 "step_names": sorted(self._step_names)}
 
+    def _picklable_exempt(self):
+        """The ``exempt`` argument for a pickle: a callable that does not pickle (a lambda, a
+        local function) is left out with a warning, and the loaded compressor uses the default
+        rule, ``exempt=None``."""
+        arg = self._exempt.arg
+        if callable(arg):
+            try:
+                pickle.dumps(arg)
+            except Exception:  # noqa: BLE001 - any pickling error: left out, said once
+                log.warning("gradcomp: the exempt callable %r cannot be pickled (a lambda or a local function; use a "
+                            "module-level function) and is left out: the loaded compressor uses exempt=None (fewer "
+                            "than 2 dimensions); set .exempt again after loading", arg)
+                return None
+        return arg
+
     def _restore(self, d: dict) -> None:
         """Rebuild from :meth:`_checkpoint` on the default group; residuals wait in ``_restored``.
         Formats 1 and 2 load (1 has no local_world_size / inner_scheme / cost_model: their
-        defaults; a local_world_size given as None is read from ``LOCAL_WORLD_SIZE`` again)."""
+        defaults; a local_world_size given as None is read from ``LOCAL_WORLD_SIZE`` again; a
+        pickle without ``exempt`` / ``ramp``, from before they existed, compressed every parameter
+        at every step with its codec: ``exempt=()``, no ramp)."""
         if not isinstance(d, dict) or d.get("version") not in (1, PICKLE_VERSION):
             raise ValueError(f"gradcomp: cannot unpickle a Compressor of format "
                              f"{d.get('version') if isinstance(d, dict) else type(d).__name__!r}; "
@@ -975,7 +1281,8 @@ class Compressor(BaseCompressor):
                             min_compress_numel=d["min_compress_numel"], nonfinite=d["nonfinite"],
                             on_corrupt=d["on_corrupt"], log_every=d["log_every"],
                             local_world_size=d.get("local_world_size"), inner_scheme=d.get("inner_scheme", "auto"),
-                            cost_model=d.get("cost_model"), seed=d.get("seed", 0))
+                            cost_model=d.get("cost_model"), seed=d.get("seed", 0), exempt=d.get("exempt", ()),
+                            ramp=d.get("ramp"))
         stats = d["stats"]
         stats.world_size = self.world_size
         self._stats = stats

@@ -73,7 +73,6 @@ Karimireddy et al., ICML 2019; exempting 1-D parameters: Baidu LoongForge's FP8 
 relative error 10.87% -> 2.13%).
 """
 
-import fnmatch
 import io
 import logging
 import re
@@ -81,7 +80,7 @@ import threading
 import time
 import warnings
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -92,6 +91,7 @@ from ..codec import _dtype_name as dtype_name
 from ..errors import in_context
 from ..schemes.reduce_scatter import ReduceScatterContext, RowLayout, reduce_scatter
 from .compressor import Compressor, check_options
+from .policy import ExemptArg, ExemptRule  # noqa: F401 (ExemptArg: re-exported, its old home)
 from .protocol import LossScale
 from .residuals import NONFINITE_MODES
 from .stats import CORRUPT_MODES, Stats
@@ -223,27 +223,14 @@ def _unit_of(module, name: str) -> Optional[_Unit]:
     return unit
 
 
-ExemptArg = Union[None, Callable[[str, Any], bool], Iterable[str]]
-
-
 class _Exempt:
-    """Which parameters travel uncompressed: ``exempt`` None (default): fewer than 2 dimensions;
-    a callable ``exempt(fqn, param) -> bool``; or names / ``fnmatch`` patterns of FQNs. In every
-    case also any parameter with fewer than ``min_compress_numel`` elements."""
+    """Which parameters travel uncompressed: the shared rule of :class:`gradcomp.torch.policy.
+    ExemptRule` -- ``exempt`` None (default): fewer than 2 dimensions; a callable ``exempt(fqn,
+    param) -> bool``; or names / ``fnmatch`` patterns of FQNs -- and in every case also any
+    parameter with fewer than ``min_compress_numel`` elements."""
 
     def __init__(self, exempt: ExemptArg, min_compress_numel: int):
-        if exempt is None or callable(exempt):
-            self.fn, self.patterns = exempt, None
-        elif isinstance(exempt, str):
-            raise TypeError(f"exempt={exempt!r}; accepted: None, a callable (fqn, param) -> bool, or a collection "
-                            f"of FQNs or fnmatch patterns (a single name: exempt=[{exempt!r}])")
-        else:
-            try:
-                self.patterns = [str(p) for p in exempt]
-            except TypeError:
-                raise TypeError(f"exempt={exempt!r}; accepted: None, a callable (fqn, param) -> bool, or a "
-                                f"collection of FQNs or fnmatch patterns") from None
-            self.fn = None
+        self.rule = ExemptRule(exempt, what="fqn")
         self.min_numel = int(min_compress_numel)
         self._cache: Dict[str, bool] = {}
 
@@ -255,14 +242,7 @@ class _Exempt:
         numel = 1
         for s in size:
             numel *= int(s)
-        if numel < self.min_numel:
-            hit = True
-        elif self.fn is not None:
-            hit = bool(self.fn(fqn, fp.sharded_param))
-        elif self.patterns is not None:
-            hit = any(fnmatch.fnmatchcase(fqn, p) for p in self.patterns)
-        else:
-            hit = len(size) < 2
+        hit = True if numel < self.min_numel else self.rule.decide(fqn, len(size), fp.sharded_param)
         self._cache[fqn] = hit
         return hit
 

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..codec import _dtype_name as dtype_name
 from . import protocol
 from .compressor import Compressor, check_options
+from .policy import ExemptArg, RampArg
 
 log = logging.getLogger("gradcomp")
 
@@ -150,6 +151,22 @@ class CompressionState:
             ``"gather"`` or ``"two_phase"``.
         cost_model: a :class:`gradcomp.planner.CostModel` for ``"auto"``, or None.
         seed: the key seed of codecs that draw random numbers (:class:`Compressor`; default 0).
+        exempt: the parameters averaged dense instead of compressed (:mod:`gradcomp.torch.policy`;
+            the semantics of FSDP2's ``exempt``): None (default) -- those with fewer than 2
+            dimensions (biases, the weights of norms: a large block's scale quantizes them badly),
+            a callable ``exempt(name, param) -> bool`` (called once per parameter), a collection
+            of parameter names / ``fnmatch`` patterns (``["*embed*"]``), or ``()``: compress
+            every parameter. A bucket holding exempt parameters is one hook call: their elements
+            are divided by W and SUM-allreduced (``allreduce_hook``'s arithmetic), the others
+            compressed (the scheme chosen for their count; below ``min_compress_numel`` the whole
+            bucket goes dense), and the returned Future completes when both have. Exempt
+            parameters hold no residual (one that had a residual adds it to its dense gradient).
+        ramp: ``[(step, spec), ...]``: from synchronized step ``step`` on the codec is ``spec``
+            (a codec spec or ``"dense"``), e.g. DGC's density warm-up ``[(0, "topk:ratio=0.25"),
+            (50, "topk:ratio=0.0625"), (100, "topk:ratio=0.015625")]`` or a bit-width ramp
+            ``[(0, "fp16"), (100, "int8"), (200, "int4")]``; ``codec`` runs before the first
+            entry; ``[(0, "dense"), (k, codec)]`` is ``start_iter=k``. Every rank switches at the
+            same step (``iter``); residuals carry over (:class:`gradcomp.torch.Compressor`).
 
     Server residuals (two_phase): each rank keeps a float32 residual for its chunk of each
     bucket layout (``state.compressor.server_residuals()``). Chunk boundaries are bucket offsets,
@@ -207,14 +224,16 @@ class CompressionState:
         ValueError: unknown scheme, inner_scheme or nonfinite mode, a ``sum`` scheme (or inner
             scheme) with a non-linear codec, negative start_iter / min_compress_numel; a
             local_world_size not dividing the world size, or ``scheme="hierarchical"`` with neither
-            local_world_size nor LOCAL_WORLD_SIZE.
+            local_world_size nor LOCAL_WORLD_SIZE; a bad ramp entry (named).
+        TypeError: exempt of another type (e.g. a single string: pass ``["name"]``).
         gradcomp.InvalidArgumentError: a bad codec spec.
     """
 
     def __init__(self, ddp_model, codec: Any, error_feedback: bool = True, scheme: str = "auto",
                  start_iter: int = 0, min_compress_numel: int = 1024, nonfinite: str = "restore",
                  process_group=None, log_every: int = 0, *, local_world_size: Optional[int] = None,
-                 inner_scheme: str = "auto", cost_model=None, seed: int = 0):
+                 inner_scheme: str = "auto", cost_model=None, seed: int = 0, exempt: ExemptArg = None,
+                 ramp: RampArg = None):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback,
                       group=process_group, group_arg="process_group",
                       ints=(("start_iter", start_iter), ("min_compress_numel", min_compress_numel),
@@ -227,10 +246,10 @@ class CompressionState:
         extra = {k: v for k, v, given in (("local_world_size", local_world_size, local_world_size is not None),
                                           ("inner_scheme", inner_scheme, inner_scheme != "auto"),
                                           ("cost_model", cost_model, cost_model is not None),
-                                          ("seed", seed, seed != 0)) if given}
+                                          ("seed", seed, seed != 0), ("ramp", ramp, ramp is not None)) if given}
         self.compressor = Compressor(codec, scheme, error_feedback, group,
                                      min_compress_numel=min_compress_numel, nonfinite=nonfinite,
-                                     log_every=log_every, **extra)
+                                     log_every=log_every, exempt=exempt, **extra)
         self._unbound()
         self._bind_model(ddp_model)
 
@@ -262,6 +281,27 @@ class CompressionState:
     inner_scheme = property(lambda self: getattr(self.compressor, "inner_scheme", "auto"),
                             doc="Hierarchical's requested scheme across nodes.")
     min_compress_numel = property(lambda self: self.compressor.min_compress_numel)
+    ramp = property(lambda self: self.compressor.ramp,
+                    doc="The ramp, ``[(step, spec or \"dense\")]`` (empty: ``codec`` at every step).")
+
+    @property
+    def exempt(self):
+        """The ``exempt`` argument (None: fewer than 2 dimensions). Settable between steps: a
+        parameter that becomes exempt adds its residual to its dense gradient at its next step."""
+        return self.compressor.exempt
+
+    @exempt.setter
+    def exempt(self, exempt) -> None:
+        self.compressor.exempt = exempt
+
+    def exempted(self) -> List[str]:
+        """The parameters found exempt so far (names, sorted)."""
+        return self.compressor.exempted()
+
+    def codec_at(self, step: int):
+        """The :class:`gradcomp.Codec` of synchronized step ``step`` (None: a dense step of the
+        ramp; the ``start_iter`` warm-up is not a ramp step)."""
+        return self.compressor.codec_at(step)
     nonfinite = property(lambda self: self.compressor.nonfinite)
     log_every = property(lambda self: self.compressor.log_every)
     process_group = property(lambda self: self.compressor.group)
@@ -408,8 +448,11 @@ class CompressionState:
 
     def bucket_layouts(self) -> List[dict]:
         """The current bucket layouts, by bucket index: ``[{"index", "numel", "dtype", "scheme",
-        "params": [(name, offset, length)]}]`` (offsets and lengths in elements of the bucket;
-        ``scheme`` is the one used once compression is on, i.e. after ``start_iter``)."""
+        "codec", "params": [(name, offset, length)]}]`` (offsets and lengths in elements of the
+        bucket; ``scheme`` is the one used once compression is on, i.e. after ``start_iter``,
+        for the codec of the most recent step); a bucket with exempt parameters also has
+        ``"exempt"`` (their names) and ``"compressed_numel"`` (see :meth:`gradcomp.torch.
+        Compressor.layouts`)."""
         return sorted((d for d in self.compressor.layouts() if "index" in d), key=lambda d: d["index"])
 
     def residual(self, param) -> torch.Tensor:
@@ -487,9 +530,13 @@ class CompressionState:
         return self._hook(bucket)
 
     def _params(self, bucket) -> list:
-        """The bucket's parameter map: ``[(name, offset, length)]`` in elements of its buffer."""
+        """The bucket's parameter map: ``[(name, offset, parameter)]`` (offsets in elements of its
+        buffer; the parameter gives the length and, to the ``exempt`` rule, its dimensions; a
+        parameter whose bucket view has another numel -- a complex one's ``view_as_real`` --
+        gives that length instead)."""
         base = bucket.buffer().storage_offset()
-        return [(self._names.get(id(p), f"<unnamed {id(p)}>"), g.storage_offset() - base, g.numel())
+        return [(self._names.get(id(p), f"<unnamed {id(p)}>"), g.storage_offset() - base,
+                 p if p.numel() == g.numel() else g.numel())
                 for p, g in zip(bucket.parameters(), bucket.gradients())]
 
     def _dense_reason(self, bucket) -> str:

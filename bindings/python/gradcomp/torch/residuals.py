@@ -42,8 +42,11 @@ elements sends fl(x' / W), which carries the folded W * server / W = server. Fol
   layout is folded before its residuals move, and the new layout's server slot starts at zero;
 - (b) dense steps: a layout whose parameters go dense (:meth:`ResidualStore.flush`, warm-up or a
   dense call) is folded first, so the flushed residual carries the server term into the dense
-  allreduce (each rank adds W * server to its chunk; the dense path divides by W);
-- a layout whose chunk changes (another rank in a group of the same size) is folded the same way.
+  allreduce (each rank adds W * server to its chunk; the dense path divides by W); so is a layout
+  one of whose parameters becomes exempt (:mod:`gradcomp.torch.policy`: the bucket's compressed
+  part is a new layout, and the exempt parameter's residual is flushed into its dense gradient);
+- a layout whose chunk changes (another rank in a group of the same size) is folded the same way;
+- a codec switch of a ramp (:meth:`ResidualStore.fold`): the same layout, another codec.
 
 (c) Another world size on load drops every residual, server residuals included (a warning, the
 Compressor's). (d) Checkpoints: :meth:`ResidualStore.server_state` saves each server slot with
@@ -359,6 +362,12 @@ class ResidualStore:
             else:
                 self._pending_server.append(e)
 
+    def fold(self, lay: Layout) -> None:
+        """Fold ``lay``'s server residual into its worker residual now (module docstring), e.g.
+        when another codec takes over the layout (a ramp): the next encode sends it. A no-op
+        without a live server slot."""
+        self._fold(lay)
+
     def _fold(self, lay: Layout) -> None:
         """Fold ``lay``'s server slot into its worker residual: ``res[start:start + count] =
         fl(res + fl(W * server))``, then zero it (no-op without one, or when it holds nothing
@@ -447,11 +456,15 @@ class ResidualStore:
         return self._pending.get(key)
 
     def _release(self, key: str) -> None:
-        """Forget ``key``'s home; a layout slice is zeroed so the stale layout holds no mass."""
+        """Forget ``key``'s home; a layout slice is zeroed so the stale layout holds no mass, and
+        the layout is no longer every parameter's home (its next activation homes them again:
+        a flush through another layout object -- a bucket with exempt parameters going dense --
+        releases the slices of the layout that compresses)."""
         home = self._slice.pop(key, None)
         if home is not None:
             lay, off, n = home
             lay.residual[off: off + n].zero_()
+            lay.homed = False
         else:
             self._pending.pop(key, None)
 

@@ -38,7 +38,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -102,16 +102,19 @@ class StepRecord:
         self.cuda_times: list = []  # (start event, end event, field, bucket dict)
         self.on_finite: List[Callable[[], None]] = []
         self.failed = False
+        self.codec: Optional[str] = None  # the codec the step ran ("dense": a dense step)
 
     def __getstate__(self) -> dict:
-        """Step, counters, bucket dicts and the flag (on the host); events, pending timings and
-        ``on_finite`` (closures over the live store) are left out."""
+        """Step, counters, bucket dicts, codec and the flag (on the host); events, pending timings
+        and ``on_finite`` (closures over the live store) are left out."""
         nf = None if self.nf is None else self.nf.detach().to("cpu")
-        return {"step": self.step, "v": dict(self.v), "buckets": [dict(b) for b in self.buckets], "nf": nf}
+        return {"step": self.step, "v": dict(self.v), "buckets": [dict(b) for b in self.buckets], "nf": nf,
+                "codec": self.codec}
 
     def __setstate__(self, d: dict) -> None:
         self.__init__(d["step"])
         self.v, self.buckets, self.nf = d["v"], d["buckets"], d["nf"]
+        self.codec = d.get("codec")
 
 
 class _StatusCopy:
@@ -181,6 +184,7 @@ class Stats:
         self._cur: Optional[StepRecord] = None
         self._closed_total = {f: 0.0 for f in FIELDS}
         self._closed_steps = 0
+        self._by_codec: Dict[str, dict] = {}  # codec spec -> closed totals of its steps (and "steps")
         self._unresolved: List[StepRecord] = []
         self._status: List[_StatusCopy] = []
         if log_every:
@@ -197,6 +201,7 @@ class Stats:
     def __setstate__(self, d: dict) -> None:
         d.setdefault("failed_steps", 0)
         d.setdefault("_checks", [])
+        d.setdefault("_by_codec", {})
         self.__dict__.update(d)
         self.lock = threading.Lock()
         if self.log_every:
@@ -241,6 +246,11 @@ class Stats:
             if old is not None:
                 self._close(old)
         return self._cur
+
+    def set_codec(self, rec: StepRecord, spec: str) -> None:
+        """Name the codec ``rec``'s step ran (its first call's; ``"dense"`` for a dense step)."""
+        if rec.codec is None:
+            rec.codec = spec
 
     def fail(self, rec: StepRecord) -> None:
         """Drop the record of a failed step (counted in ``failed_steps``, not in the totals); the
@@ -354,6 +364,10 @@ class Stats:
             for f in FIELDS:
                 self._closed_total[f] += rec.v[f]
             self._closed_steps += 1
+            by = self._by_codec.setdefault(rec.codec or self.codec_spec, dict({f: 0.0 for f in FIELDS}, steps=0))
+            for f in FIELDS:
+                by[f] += rec.v[f]
+            by["steps"] += 1
         self._resolve_flags()
         if self.log_every and (rec.step + 1) % self.log_every == 0:
             s = self._summary(rec.v)
@@ -399,22 +413,32 @@ class Stats:
 
     def summary(self) -> dict:
         """``{"steps", "world_size", "codec", "nonfinite_steps", "failed_steps", "step", "total",
-        "buckets"}``:
+        "codecs", "buckets"}``:
         ``step`` (the most recent step, open or closed) and ``total`` (all steps) hold the
-        ``FIELDS`` and ``packet_ratio``, ``wire_ratio``, ``bits_per_element``; ``buckets`` are
-        the per-bucket dicts of the most recent step. Resolves what has landed first (may raise
+        ``FIELDS`` and ``packet_ratio``, ``wire_ratio``, ``bits_per_element``; ``step["codec"]``
+        the codec that step ran (:meth:`set_codec`; the compressor's when never set);
+        ``codecs`` the same totals per codec, each with its ``steps``; ``buckets`` are the
+        per-bucket dicts of the most recent step. Resolves what has landed first (may raise
         CorruptPacketError)."""
         with self.lock:
             total = dict(self._closed_total)
             steps = self._closed_steps
+            by = {k: dict(v) for k, v in self._by_codec.items()}
             if self._cur is not None:  # the open record: the most recent step
                 for f in FIELDS:
                     total[f] += self._cur.v[f]
                 steps += 1
+                cur = by.setdefault(self._cur.codec or self.codec_spec, dict({f: 0.0 for f in FIELDS}, steps=0))
+                for f in FIELDS:
+                    cur[f] += self._cur.v[f]
+                cur["steps"] += 1
             last = self._cur
             step = self._summary(last.v if last is not None else {f: 0.0 for f in FIELDS})
+            if last is not None:
+                step["codec"] = last.codec or self.codec_spec
             buckets = [dict(b) for b in last.buckets] if last is not None else []
         self.resolve()
+        codecs = {k: dict(self._summary(v), steps=int(v["steps"])) for k, v in by.items()}
         return {"steps": steps, "world_size": self.world_size, "codec": self.codec_spec,
                 "nonfinite_steps": self.nonfinite_steps, "failed_steps": self.failed_steps, "step": step,
-                "total": self._summary(total), "buckets": buckets}
+                "total": self._summary(total), "codecs": codecs, "buckets": buckets}

@@ -131,14 +131,14 @@ def test_charlm_plan(monkeypatch):
     c = a.charlm
     assert (c.steps, c.optimizer, c.lr, c.batch_size, c.seq_len, c.embed, c.hidden, c.ef, c.seeds) == (
         150, "adam", 2e-2, 8, 64, 48, 192, "auto", 1)
-    runs = [(r["codec"], r["error_feedback"], r["seed"]) for r in plan_charlm_runs(c)]
+    runs = [(r["codec"], r["error_feedback"], r["seed"]) for r in plan_charlm_runs(c) if r["optimizer"] == "adam"]
     want = [("none", False, 0), ("fp16", True, 0), ("topk:ratio=0.01", True, 0)]
-    psgd = [("powersgd:rank=2", True, 0), ("powersgd:rank=4", True, 0)]
+    psgd = [("powersgd:rank=4", True, 0)]
     if _powersgd():
         assert runs == want + psgd and a.notes == []
     else:
         assert runs == want and "powersgd" in a.notes[0]
-    full = plan_charlm_runs(parse_args(["--full", "--task", "charlm"]).charlm)
+    full = [r for r in plan_charlm_runs(parse_args(["--full", "--task", "charlm"]).charlm) if r["optimizer"] == "adam"]
     settings = {(r["codec"], r["error_feedback"]) for r in full}
     assert all(sorted(r["seed"] for r in full if (r["codec"], r["error_feedback"]) == s) == [0, 1]
                for s in settings)
@@ -147,7 +147,8 @@ def test_charlm_plan(monkeypatch):
     # --task, --ef and bad input
     assert parse_args(["--task", "charlm,digits"]).tasks == ["charlm", "digits"]
     assert parse_args(["--task", "all,charlm"]).tasks == ["digits", "charlm"]
-    on = plan_charlm_runs(parse_args(["--task", "charlm", "--codecs", "none;int8", "--ef", "both"]).charlm)
+    on = plan_charlm_runs(parse_args(["--task", "charlm", "--codecs", "none;int8", "--ef", "both",
+                                      "--charlm-methods", ""]).charlm)
     assert [(r["codec"], r["error_feedback"]) for r in on] == [("none", False), ("int8", False), ("int8", True)]
     for bad in (["--task", "charlm,mnist"], ["--task", ","], ["--charlm-steps", "0"], ["--charlm-lr", "0"],
                 ["--codecs", "powersgd"], ["--codecs", "powersgd:rank=0"], ["--codecs", "powersgd:rank=two"],
@@ -159,8 +160,9 @@ def test_charlm_plan(monkeypatch):
     # powersgd spec is an argparse error
     monkeypatch.setattr(cli_args, "powersgd_available", lambda: False)  # what parse_args calls
     a = parse_args(["--task", "charlm"])
-    assert [r["codec"] for r in plan_charlm_runs(a.charlm)] == ["none", "fp16", "topk:ratio=0.01"]
-    assert a.notes == ["charlm: left out powersgd:rank=2, powersgd:rank=4: gradcomp.torch.powersgd cannot be "
+    assert [r["codec"] for r in plan_charlm_runs(a.charlm) if r["optimizer"] == "adam"] == [
+        "none", "fp16", "topk:ratio=0.01"]
+    assert a.notes == ["charlm: left out powersgd:rank=4: gradcomp.torch.powersgd cannot be "
                        "imported (the PowerSGD hook is not installed)"]
     assert parse_args(["--task", "digits"]).notes == []  # digits' default list has no powersgd row
     with pytest.raises(SystemExit) as e:
@@ -171,14 +173,14 @@ def test_charlm_plan(monkeypatch):
 def test_charlm_end_to_end(tmp_path):
     out = tmp_path / "res"
     cmd = [sys.executable, "-m", "gradcomp.experiments", *TINY_ARGS, "--codecs", "none;topk:ratio=0.01",
-           "--out", str(out), "--no-progress"]
+           "--charlm-methods", "", "--out", str(out), "--no-progress"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert p.returncode == 0, p.stderr[-4000:]
     names = ("charlm_table.md", "charlm_results.csv", "charlm_results.json", "charlm_bpc_vs_bits.png")
     assert sorted(os.listdir(out)) == sorted(names)  # --task charlm: no digits files
     for name in names:
         assert str(out / name) in p.stdout  # the CLI says where its files are
-    assert "| codec | scheme | EF | runs | val bits/char (mean ± std) |" in p.stdout
+    assert "| codec | optimizer | scheme | EF | runs | val bits/char (mean ± std) | min–max | vs dense |" in p.stdout
     with open(out / "charlm_results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     # --ef auto (the charlm default): codec none without error feedback, top-k with it; the hook
@@ -288,7 +290,7 @@ def test_charlm_fsdp2_end_to_end(tmp_path):
     for name in names:
         assert str(out / name) in p.stdout
     assert "## charlm (--engine fsdp2)" in p.stdout
-    assert "| codec | scheme | EF | runs | val bits/char (mean ± std) |" in p.stdout
+    assert "| codec | optimizer | scheme | EF | runs | val bits/char (mean ± std) | min–max | vs dense |" in p.stdout
     assert "what it sends in a ring reduce-scatter of the dense input" in p.stdout
     assert "Relative to dense (" in p.stdout and "none +0.00%" in p.stdout
     with open(out / "charlm_fsdp2_results.csv", newline="") as f:
@@ -340,3 +342,151 @@ def test_fsdp2_ranks_agree_bitwise(pool):
     d = _run(pool, codec="dense", error_feedback=False, seed=0, engine="fsdp2")
     assert d[0]["param_checksum"] == d[1]["param_checksum"] != a[0]["param_checksum"]
     assert d[0]["scheme"] == "dense" and d[0]["encode_s"] == 0.0
+
+
+def test_charlm_methods_plan():
+    """--charlm-methods: the default method rows, their configurations (lr, freeze_step, DGC's
+    warm-up, error feedback), the flags' parsing and every bad input an argparse error."""
+    from gradcomp.experiments.__main__ import parse_args, plan_charlm_runs
+
+    c = parse_args(["--task", "charlm"]).charlm
+    assert c.method_list == [("sgd", "none"), ("dgc", "topk:ratio=0.01"), ("dgc", "topk:ratio=0.001"),
+                             ("compressed_adam", "topk:ratio=0.01"), ("compressed_adam", "topk:ratio=0.001")]
+    assert (c.sgd_lr, c.adam_lr, c.freeze_step, c.dgc_warmup, c.curve_every) == (4.0, 2e-2, 15, [], 0)
+    runs = plan_charlm_runs(c)
+    methods = [r for r in runs if r["optimizer"] != "adam"]
+    assert [(r["optimizer"], r["codec"], r["error_feedback"], r["lr"], r["seed"]) for r in methods] == [
+        ("sgd", "none", False, 4.0, 0), ("dgc", "topk:ratio=0.01", True, 4.0, 0),
+        ("dgc", "topk:ratio=0.001", True, 4.0, 0), ("compressed_adam", "topk:ratio=0.01", True, 2e-2, 0),
+        ("compressed_adam", "topk:ratio=0.001", True, 2e-2, 0)]
+    assert all(r["freeze_step"] == 15 for r in methods if r["optimizer"] == "compressed_adam")
+    assert all(r["dgc_warmup"] == [] for r in methods if r["optimizer"] == "dgc")
+    # the codec sweep is unchanged: the task's optimizer (Adam) first
+    assert [r["optimizer"] for r in runs[:len(runs) - 5]] == ["adam"] * (len(runs) - 5)
+    c = parse_args(["--task", "charlm", "--charlm-steps", "600", "--seeds", "2", "--codecs", "",
+                    "--charlm-methods", "dgc@topk:ratio=0.01;compressed_adam@onebit", "--charlm-dgc-warmup",
+                    "0:0.25, 5:0.0625", "--charlm-freeze-fraction", "0.05", "--charlm-sgd-lr", "2"]).charlm
+    runs = plan_charlm_runs(c)
+    assert [(r["optimizer"], r["codec"], r["seed"]) for r in runs] == [
+        ("dgc", "topk:ratio=0.01", 0), ("dgc", "topk:ratio=0.01", 1), ("compressed_adam", "onebit", 0),
+        ("compressed_adam", "onebit", 1)]
+    assert runs[0]["dgc_warmup"] == [(0, 0.25), (5, 0.0625)] and runs[0]["lr"] == 2.0
+    assert runs[2]["freeze_step"] == 30 and runs[2]["steps"] == 600
+    assert parse_args(["--task", "charlm", "--charlm-methods", ""]).charlm.method_list == []
+    # --engine fsdp2: no method rows by default, with a note; an explicit one is refused
+    a = parse_args(["--task", "charlm", "--engine", "fsdp2"])
+    assert a.charlm.method_list == [] and any("method rows" in n for n in a.notes)
+    for bad in (["--charlm-methods", "dgc"], ["--charlm-methods", "adam@none"], ["--charlm-methods", "sgd@int8"],
+                ["--charlm-methods", "dgc@int8"], ["--charlm-methods", "dgc@topk:ratio=2"],
+                ["--charlm-methods", "dgc@topk:k=5"], ["--charlm-methods", "compressed_adam@bogus"],
+                ["--charlm-methods", "compressed_adam@"], ["--engine", "fsdp2", "--charlm-methods", "sgd@none"],
+                ["--charlm-dgc-warmup", "0.25"], ["--charlm-dgc-warmup", "a:b"], ["--charlm-freeze-fraction", "0"],
+                ["--charlm-freeze-fraction", "1"], ["--charlm-sgd-lr", "0"], ["--charlm-adam-lr", "-1"],
+                ["--codecs", "", "--charlm-methods", ""]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--task", "charlm", *bad])
+        assert e.value.code == 2, bad
+
+
+def test_method_rows_train(pool):
+    """DGC and CompressedAdam rows through charlm.train_run: ranks bitwise equal; the bits per
+    element over the whole run (warm-up included) against the bytes counted from the formulas:
+    DGC's top-k packets and its dense 1-D parameters, CompressedAdam's dense warm-up steps."""
+    from gradcomp.experiments.charlm import make_model
+
+    m = make_model(16, 32)
+    n = sum(p.numel() for p in m.parameters())
+    n1 = sum(p.numel() for p in m.parameters() if p.dim() < 2)  # biases: DGC sends them dense
+    d = _run(pool, optimizer="dgc", codec="topk:ratio=0.01", lr=4.0, error_feedback=True, seed=0, dgc_warmup=[])
+    assert d[0]["param_checksum"] == d[1]["param_checksum"] and d[0]["scheme"] == "dgc"
+    assert math.isfinite(d[0]["val_bpc"]) and d[0]["val_bpc"] < LOG2_VOCAB
+    assert d[0]["numel"] == n and d[0]["dense_bytes_per_step"] == 4 * n and d[0]["steps"] == 20
+    # per step: the dense biases (32 bits each) plus, per 2-D parameter, at least k = ceil(0.01 numel)
+    # (index, value) pairs of 8 bytes; headers add a little
+    k = sum(math.ceil(0.01 * p.numel()) for p in m.parameters() if p.dim() >= 2)
+    floor_bits = (32.0 * n1 + 64.0 * k) / n
+    assert floor_bits <= d[0]["bits_per_element"] <= floor_bits + 0.2, (d[0]["bits_per_element"], floor_bits)
+    c = _run(pool, optimizer="compressed_adam", codec="topk:ratio=0.01", error_feedback=True, seed=0,
+             freeze_step=5)
+    assert c[0]["param_checksum"] == c[1]["param_checksum"] and c[0]["scheme"] == "compressed_adam"
+    assert math.isfinite(c[0]["val_bpc"]) and c[0]["val_bpc"] < LOG2_VOCAB
+    warm = 32.0 * 5 / 20  # 5 of 20 steps average float32 gradients: 8 bits per element of the whole run
+    assert warm + 0.3 <= c[0]["bits_per_element"] <= warm + 0.75 * (floor_bits + 0.2), c[0]["bits_per_element"]
+    with pytest.raises(ValueError, match="topk:ratio=D"):  # refused before the optimizer touches the model
+        charlm.method_optimizer(dict(TINY, optimizer="dgc", codec="int8"), None, 2)
+
+
+def test_curve_is_the_same_run(pool):
+    """curve_every: the validation curve's last point is the run's val_bpc exactly, its clock
+    increases, and the run is bitwise the one without a curve (evaluating changes nothing)."""
+    a = _run(pool, codec="topk:ratio=0.01", error_feedback=True, seed=0)
+    b = _run(pool, codec="topk:ratio=0.01", error_feedback=True, seed=0, curve_every=10)
+    assert b[0]["param_checksum"] == a[0]["param_checksum"] and b[0]["val_bpc"] == a[0]["val_bpc"]
+    assert [p["step"] for p in b[0]["curve"]] == [10, 20] and b[0]["curve"][-1]["val_bpc"] == a[0]["val_bpc"]
+    assert 0 < b[0]["curve"][0]["wall_s"] < b[0]["curve"][1]["wall_s"] <= b[0]["train_s"] * 1.5 + 1.0
+    assert "curve" not in a[0]
+    with pytest.raises(ValueError, match="curve_every"):  # refused first, before any collective
+        charlm.train_run(0, 2, dict(TINY, codec="none", error_feedback=False, seed=0, curve_every=5, engine="fsdp2"))
+
+
+def test_charlm_table_vs_dense_and_link_target():
+    """The charlm table's "vs dense" column and --link's time to 1.02 x dense, on hand-made runs:
+    each row against the dense run of its own optimizer (Adam for CompressedAdam, SGD for DGC)."""
+    import argparse
+
+    from gradcomp.experiments import report
+
+    def row(codec, opt, ef, bpc, curve):
+        return dict(codec=codec, optimizer=opt, error_feedback=ef, seed=0, val_bpc=bpc, final_loss=bpc,
+                    packet_ratio=1.0, wire_ratio=1.0, bits_per_element=32.0, encode_s=0.0, decode_s=0.0,
+                    comm_s=0.0, train_s=1.0, wall_s=2.0, scheme="x", curve=curve)
+
+    rows = [row("none", "adam", False, 2.5, [{"step": 10, "wall_s": 1.0, "val_bpc": 3.0},
+                                              {"step": 20, "wall_s": 2.0, "val_bpc": 2.5}]),
+            row("topk:ratio=0.01", "compressed_adam", True, 2.55,
+                [{"step": 10, "wall_s": 0.5, "val_bpc": 2.6}, {"step": 20, "wall_s": 1.0, "val_bpc": 2.55}]),
+            row("none", "sgd", False, 3.0, [{"step": 10, "wall_s": 1.5, "val_bpc": 3.05},
+                                             {"step": 20, "wall_s": 3.0, "val_bpc": 3.0}]),
+            row("topk:ratio=0.01", "dgc", True, 3.3, [{"step": 10, "wall_s": 0.7, "val_bpc": 3.4},
+                                                       {"step": 20, "wall_s": 1.4, "val_bpc": 3.3}])]
+    summary = report.summarize(rows, metric="val_bpc", prefix="bpc")
+    link = report.charlm_link_target(rows, summary, "a link")
+    assert link["dense"] == {"adam": 2.5, "sgd": 3.0}
+    assert link["targets"] == pytest.approx({"adam": 2.55, "sgd": 3.06})
+    got = {(s["codec"], s["optimizer"]): (s["time_to_target_s"], s["steps_to_target"], s["reached"]) for s in summary}
+    assert got == {("none", "adam"): (2.0, 20, 1), ("topk:ratio=0.01", "compressed_adam"): (1.0, 20, 1),
+                   ("none", "sgd"): (1.5, 10, 1), ("topk:ratio=0.01", "dgc"): (None, None, 0)}
+    a = argparse.Namespace(optimizer="adam", workers=4, embed=16, hidden=32, steps=20, batch_size=4, seq_len=32,
+                           lr=0.02, clip=1.0, val_windows=32, engine="ddp", momentum=0.9, sgd_lr=4.0, adam_lr=0.02,
+                           freeze_step=2, dgc_warmup=[], curve_every=10,
+                           method_list=[("sgd", "none"), ("dgc", "topk:ratio=0.01"),
+                                        ("compressed_adam", "topk:ratio=0.01")])
+    corpus = dict(train_files=1, val_files=1, stdlib="x", bytes=10, sha256="0" * 64, train_chars=5, val_chars=5,
+                  vocab_size=97)
+    table = report.format_charlm_table(summary, a, corpus, 100, [], link=link).splitlines()
+    body = {ln.split(" | ")[0][2:] + "/" + ln.split(" | ")[1]: ln.split(" | ") for ln in table if ln.startswith("| ")}
+    assert body["none/Adam"][7] == "+0.00%" and body["topk:ratio=0.01/CompressedAdam"][7] == "+2.00%"
+    assert body["none/SGD"][7] == "+0.00%" and body["topk:ratio=0.01/DGC (SGD)"][7] == "+10.00%"
+    assert body["topk:ratio=0.01/DGC (SGD)"][16:20] == ["3.0600", "-", "-", "0/1"]
+    assert body["topk:ratio=0.01/CompressedAdam"][16:20] == ["2.5500", "1.00", "20", "1/1"]
+    assert any(ln.startswith("Method rows (--charlm-methods): SGD = ") for ln in table)
+    assert any("Target = 1.02 x" in ln for ln in table)
+
+
+def test_charlm_methods_end_to_end(tmp_path):
+    """The CLI with method rows: the CSV's optimizer column, the table's optimizer labels."""
+    out = tmp_path / "res"
+    cmd = [sys.executable, "-m", "gradcomp.experiments", *TINY_ARGS, "--codecs", "none", "--charlm-methods",
+           "sgd@none;dgc@topk:ratio=0.01;compressed_adam@int8", "--charlm-freeze-fraction", "0.25",
+           "--out", str(out), "--no-progress"]  # 5 dense steps of 20 (with 2, the frozen variance is too young)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-4000:]
+    with open(out / "charlm_results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["optimizer"], r["codec"], r["error_feedback"]) for r in rows] == [
+        ("adam", "none", "False"), ("sgd", "none", "False"), ("dgc", "topk:ratio=0.01", "True"),
+        ("compressed_adam", "int8", "True")]
+    assert "| none | SGD |" in p.stdout and "| topk:ratio=0.01 | DGC (SGD) |" in p.stdout
+    assert "| int8 | CompressedAdam |" in p.stdout
+    for r in rows:
+        assert math.isfinite(float(r["val_bpc"])) and float(r["val_bpc"]) < LOG2_VOCAB

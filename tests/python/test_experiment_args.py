@@ -63,7 +63,9 @@ def test_one_plot_for_both_tasks(tmp_path):
     digits = [_group("none", False, "acc", 97.0, 32.0), _group("fp16", False, "acc", 97.0, 16.0),
               _group("bf16", False, "acc", 96.5, 16.0), _group("topk:ratio=0.01", True, "acc", 95.0, 0.64),
               _group("Adam", False, "acc", 96.0, 32.0), _group("1-bit Adam", True, "acc", 95.5, 1.5)]
-    charlm = [_group("none", False, "bpc", 2.4, 32.0), _group("powersgd:rank=2", True, "bpc", 2.6, 0.3)]
+    charlm = [_group("none", False, "bpc", 2.4, 32.0), _group("powersgd:rank=2", True, "bpc", 2.6, 0.3),
+              dict(_group("none", False, "bpc", 2.8, 32.0), optimizer="sgd"),  # method rows
+              dict(_group("topk:ratio=0.01", True, "bpc", 2.9, 0.84), optimizer="dgc")]
     for task, summary in (("digits", digits), ("charlm", charlm)):
         path = tmp_path / f"{task}.png"
         report.plot(summary, str(path), 4, task)
@@ -101,8 +103,10 @@ def test_fsdp2_charlm_sweep():
     a = args.parse_args(["--task", "charlm", "--engine", "fsdp2"])
     assert a.engine == a.charlm.engine == "fsdp2"
     assert a.charlm.codec_list == ["dense", "none", "fp16", "topk:ratio=0.01", "fp8", "int8"]
-    assert a.notes == ["charlm: left out powersgd:rank=2, powersgd:rank=4 of the --engine ddp sweep: PowerSGD is "
-                       "a DDP communication hook with no FSDP2 path"]
+    assert a.notes[0] == ("charlm: left out powersgd:rank=4 of the --engine ddp sweep: PowerSGD "
+                          "is a DDP communication hook with no FSDP2 path")
+    assert a.notes[1].startswith("charlm: left out the method rows (sgd@none, dgc@topk:ratio=0.01")
+    assert len(a.notes) == 2 and a.charlm.method_list == []
     runs = sweep.plan_charlm_runs(a.charlm)
     assert [(r["codec"], r["error_feedback"], r["seed"]) for r in runs] == [
         ("dense", False, 0), ("none", False, 0), ("fp16", True, 0), ("topk:ratio=0.01", True, 0), ("fp8", True, 0),

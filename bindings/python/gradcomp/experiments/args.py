@@ -18,12 +18,14 @@ from .fsdp2 import DENSE
 TASKS = ("digits", "charlm")
 ENGINES = ("ddp", "fsdp2")
 
-DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
-                  "fp8", "int8", "int4", "onebit"]
+# the defaults fit the main job's 5 minutes: top-k at 0.1 (digits) and PowerSGD rank 2 (charlm) are
+# --full only since the charlm method rows came (each reads as its neighbours: top-k 0.1 = dense on
+# digits, PowerSGD rank 2 between top-k 1% and rank 4)
+DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.01", "topk:ratio=0.001", "fp8", "int8", "int4", "onebit"]
 DIGITS_FULL_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
                       "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit"]
 
-CHARLM_CODECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:rank=2", "powersgd:rank=4"]
+CHARLM_CODECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:rank=4"]
 CHARLM_FULL_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "int8",
                       "int4", "onebit", "powersgd:rank=1", "powersgd:rank=2", "powersgd:rank=4", "powersgd:rank=8"]
 
@@ -38,6 +40,17 @@ DIGITS_OPTIMIZER_SEEDS = (1, 2)  # (default, --full)
 DEFAULT_OPTIMIZERS = "adam;onebit_adam"  # the digits optimizer rows (--engine ddp only)
 CL = charlm.DEFAULTS  # the charlm task's defaults (one home: gradcomp.experiments.charlm)
 CHARLM_LR = {"adam": CL["lr"], "sgd": 4.0}  # default peak learning rate per --charlm-optimizer
+
+# the charlm method rows (--charlm-methods), beside the codec sweep: OPTIMIZER@CODEC. sgd@none is
+# dense SGD with momentum (lr 4.0, tuned once for dense SGD: peak lr 1, 2, 4, 8 gave 3.327, 3.036,
+# 2.816, 3.037 val bits/char at 150 steps), the baseline of the DGC rows; the CompressedAdam rows
+# read against the codec sweep's dense Adam row
+CHARLM_METHODS = ["sgd@none", "dgc@topk:ratio=0.01", "dgc@topk:ratio=0.001", "compressed_adam@topk:ratio=0.01",
+                  "compressed_adam@topk:ratio=0.001"]
+# what each method optimizer is: its label in the tables, and the optimizer whose dense run
+# (codec none) it is read against
+CHARLM_METHOD_OPTIMIZERS = {"sgd": ("SGD", "sgd"), "dgc": ("DGC (SGD)", "sgd"),
+                            "compressed_adam": ("CompressedAdam", "adam")}
 
 # codec families that run over --quant-seeds (the others over --seeds): the casts and the block
 # quantizers. Each is the name of a registered codec (gradcomp.codecs(); test_experiment.py checks
@@ -113,6 +126,64 @@ def powersgd_available() -> bool:
     return "powersgd" in protocol.names()
 
 
+def parse_method(spec: str, engine: str = "ddp"):
+    """One ``--charlm-methods`` entry ``OPTIMIZER@CODEC``: returns ``(optimizer, codec)``.
+    ``sgd@none`` (dense SGD, the DGC rows' baseline), ``dgc@topk:ratio=D`` (gradcomp.optim.DGC at
+    density D), ``compressed_adam@SPEC`` (gradcomp.optim.CompressedAdam with any codec spec).
+
+    Raises:
+        ValueError: no ``@``, an unknown optimizer, a codec the optimizer does not take (the
+            message names it and what is accepted), or an ``engine`` other than ddp (both
+            optimizers exchange through a DDP hook).
+    """
+    opt, at, codec = spec.partition("@")
+    opt, codec = opt.strip(), codec.strip()
+    if not at or not codec:
+        raise ValueError(f"--charlm-methods: {spec!r}; accepted: OPTIMIZER@CODEC, e.g. 'dgc@topk:ratio=0.01'")
+    if opt not in CHARLM_METHOD_OPTIMIZERS:
+        raise ValueError(f"--charlm-methods: {spec!r}: optimizer {opt!r}; accepted: "
+                         f"{', '.join(CHARLM_METHOD_OPTIMIZERS)}")
+    if engine != "ddp":
+        raise ValueError(f"--charlm-methods: {spec!r} needs --engine ddp (DGC and CompressedAdam exchange through "
+                         f"their DDP hook); accepted under --engine {engine}: ''")
+    if opt == "sgd" and codec != "none":
+        raise ValueError(f"--charlm-methods: {spec!r}: sgd rows are dense; accepted: sgd@none (SGD with a codec: "
+                         f"--charlm-optimizer sgd --codecs ...)")
+    if opt == "dgc":
+        d = codec[len("topk:ratio="):] if codec.startswith("topk:ratio=") else ""
+        try:
+            ok = 0.0 < float(d) <= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"--charlm-methods: {spec!r}: DGC sparsifies with its own top-k; accepted: "
+                             f"dgc@topk:ratio=D with 0 < D <= 1")
+    if opt == "compressed_adam":
+        Codec(codec)  # ValueError naming the spec
+    return opt, codec
+
+
+def parse_dgc_warmup(s: str):
+    """``--charlm-dgc-warmup``: ``STEP:DENSITY,...`` (steps ascending from 0, densities in (0, 1])
+    -> ``[(step, density)]``; '' -> [] (no warm-up).
+
+    Raises:
+        ValueError: an entry that is not STEP:DENSITY."""
+    out = []
+    for item in (x.strip() for x in s.split(",")):
+        if not item:
+            continue
+        st, colon, d = item.partition(":")
+        try:
+            out.append((int(st), float(d)))
+        except ValueError:
+            raise ValueError(f"--charlm-dgc-warmup: {item!r}; accepted: STEP:DENSITY entries separated by ',', "
+                             f"e.g. '0:0.25,5:0.0625'") from None
+        if not colon:
+            raise ValueError(f"--charlm-dgc-warmup: {item!r}; accepted: STEP:DENSITY")
+    return out
+
+
 def _split_list(s: str) -> List[str]:
     return [c.strip() for c in s.split(";") if c.strip()]
 
@@ -150,13 +221,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "of an MLP on scikit-learn digits, validation bits per character of a character-level "
                     "LSTM on the Python standard library's source.",
         epilog="Default: both tasks, a sweep that fits in 5 minutes on 2 cores; --full: the whole sweeps "
-               "(digits 45 runs, charlm 50).")
+               "(digits 45 runs, charlm 60).")
     p.add_argument("--task", default="all",
                    help="tasks to run, comma-separated: digits, charlm, or all (= digits,charlm; default)")
     p.add_argument("--full", action="store_true",
                    help="the whole sweeps: digits 12 codecs (with the fp8 variants e5m2 and e8m0), 3 seeds and 2 "
                         "per optimizer row (45 runs); charlm 13 codecs (PowerSGD at ranks 1, 2, 4, 8), error "
-                        "feedback on and off, 2 seeds (50 runs)")
+                        "feedback on and off, 2 seeds (50 runs), and the method rows over 2 seeds (10 runs)")
     p.add_argument("--workers", type=int, default=4, help="DDP processes (default 4)")
     p.add_argument("--engine", choices=ENGINES, default="ddp",
                    help="ddp (default): DDP with a gradcomp communication hook; fsdp2: the same models, data and "
@@ -170,7 +241,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--codecs", default=None,
                    help="codec specs separated by ';' (a spec itself may hold commas, e.g. "
                         "'topk:k=50,value_dtype=float16'; 'powersgd:rank=R' for the low-rank hook). digits: "
-                        + ";".join(DEFAULT_CODECS) + " (--full: also fp8:format=e5m2;fp8:scale=e8m0). charlm: "
+                        + ";".join(DEFAULT_CODECS) + " (--full: also topk:ratio=0.1;fp8:format=e5m2;fp8:scale=e8m0). charlm: "
                         + ";".join(CHARLM_CODECS)
                         + " (--full: " + ";".join(CHARLM_FULL_CODECS) + ")")
     g.add_argument("--ef", choices=["both", "on", "off", "auto"], default=None,
@@ -232,10 +303,27 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="validation windows of seq-len characters, evenly spaced (default 512)")
     c.add_argument("--charlm-corpus-bytes", type=int, default=None,
                    help="cap on the corpus size in bytes, whole files (default 4194304 = 4 MiB)")
+    c.add_argument("--charlm-methods", default=None,
+                   help="method rows beside the codec sweep, OPTIMIZER@CODEC separated by ';': sgd@none (dense "
+                        "SGD with momentum, the DGC rows' baseline), dgc@topk:ratio=D (gradcomp.optim.DGC), "
+                        "compressed_adam@SPEC (gradcomp.optim.CompressedAdam with any codec); '' for none. "
+                        "Default: " + ";".join(CHARLM_METHODS) + " (--engine fsdp2: none)")
+    c.add_argument("--charlm-sgd-lr", type=float, default=CHARLM_LR["sgd"],
+                   help="peak learning rate of the sgd and dgc rows (default 4.0, tuned once for dense SGD)")
+    c.add_argument("--charlm-adam-lr", type=float, default=CHARLM_LR["adam"],
+                   help="peak learning rate of the compressed_adam rows (default 2e-2, the Adam default)")
+    c.add_argument("--charlm-freeze-fraction", type=float, default=0.1,
+                   help="CompressedAdam's dense warm-up (freeze_step) as a fraction of --charlm-steps, "
+                        "rounded, at least 1 step (default 0.1)")
+    c.add_argument("--charlm-dgc-warmup", default="",
+                   help="DGC's density warm-up, STEP:DENSITY entries separated by ',' (e.g. the paper's x1/4 "
+                        "per stage '0:0.25,5:0.0625,10:0.015625'); default '' (none: the measured gain did not "
+                        "pay for its bytes here)")
     lk = p.add_argument_group("slow links (root; see the module docstring)")
     lk.add_argument("--link", default=None, metavar="RATE",
                     help="run the workers behind a tc-rate-limited link at RATE (e.g. 100mbit, 1gbit, 10gbit, "
-                         "unlimited); the digits table adds the wall-clock time to 98%% of the dense run's accuracy")
+                         "unlimited); the digits table adds the wall-clock time to 98%% of the dense run's accuracy, the "
+                         "charlm table (--engine ddp) the time to 1.02 x the dense run's val bits/char")
     lk.add_argument("--link-nodes", type=int, choices=(1, 2), default=1,
                     help="1: all workers on one shaped loopback (default); 2: two namespaces of W/2 workers "
                          "joined by a veth pair shaped at RATE")
@@ -269,6 +357,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--charlm-momentum={a.charlm_momentum}; accepted: [0, 1)")
     if a.charlm_corpus_bytes is not None and a.charlm_corpus_bytes < 1:
         p.error(f"--charlm-corpus-bytes={a.charlm_corpus_bytes}; accepted: >= 1")
+    if not a.charlm_sgd_lr > 0 or not a.charlm_adam_lr > 0:
+        p.error(f"--charlm-sgd-lr={a.charlm_sgd_lr}, --charlm-adam-lr={a.charlm_adam_lr}; accepted: > 0")
+    if not 0.0 < a.charlm_freeze_fraction < 1.0:
+        p.error(f"--charlm-freeze-fraction={a.charlm_freeze_fraction}; accepted: (0, 1)")
+    try:
+        dgc_warmup = parse_dgc_warmup(a.charlm_dgc_warmup)
+        method_list = [parse_method(m, a.engine) for m in _split_list(
+            a.charlm_methods if a.charlm_methods is not None else "" if a.engine == "fsdp2"
+            else ";".join(CHARLM_METHODS))]
+    except ValueError as e:
+        p.error(str(e))
     if a.link is not None:
         from . import links
 
@@ -369,8 +468,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         setattr(cl, k, getattr(a, "charlm_" + k))
     cl.lr = a.charlm_lr if a.charlm_lr is not None else CHARLM_LR[a.charlm_optimizer]
     cl.corpus_bytes = a.charlm_corpus_bytes if a.charlm_corpus_bytes is not None else charlm.CORPUS_MAX_BYTES
+    cl.method_list = method_list
+    cl.sgd_lr, cl.adam_lr, cl.dgc_warmup = a.charlm_sgd_lr, a.charlm_adam_lr, dgc_warmup
+    cl.freeze_step = max(1, round(a.charlm_freeze_fraction * a.charlm_steps))
+    # under --link (DDP): validate every curve_every steps for the time to 1.02 x dense bits/char
+    cl.curve_every = max(1, a.charlm_steps // 15) if a.link is not None and not fsdp2 else 0
+    if fsdp2 and a.charlm_methods is None and explicit is None and "charlm" in a.tasks:
+        a.notes.append("charlm: left out the method rows (" + ", ".join(CHARLM_METHODS) + "): DGC and "
+                       "CompressedAdam exchange through their DDP hook (--engine ddp only)")
     if "digits" in a.tasks and not dg.codec_list and not dg.optimizer_list:
         p.error("digits: --codecs and --optimizers are empty")
-    if "charlm" in a.tasks and not cl.codec_list:
-        p.error("charlm: --codecs is empty")
+    if "charlm" in a.tasks and not cl.codec_list and not cl.method_list:
+        p.error("charlm: --codecs and --charlm-methods are empty")
     return a

@@ -216,17 +216,87 @@ def make_model(embed: int, hidden: int, layers: int = 2):
     return CharLSTM()
 
 
+def evaluate(model, val, seq_len: int, windows: int, rank: int, world: int) -> float:
+    """Validation bits per character of ``model`` (a :class:`CharLSTM` or the module under DDP,
+    called without DDP: no collective per batch) over the ``windows`` windows of
+    :func:`val_offsets` of ``val`` (int64-able tensor [n] of classes), this rank taking every
+    W-th window, the sums all-reduced (a collective: every rank calls it). Leaves the model in
+    eval mode; changes no parameter or RNG."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    ar = torch.arange(seq_len + 1)
+    offs = val_offsets(val.shape[0], seq_len, windows)[rank::world]
+    ev = torch.zeros(2, dtype=torch.float64)  # [sum of nats, predicted characters]
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(offs), 64):
+            w = val[torch.tensor(offs[i:i + 64])[:, None] + ar].long()
+            lg = model(w[:, :-1])
+            ev[0] += float(F.cross_entropy(lg.reshape(-1, VOCAB_SIZE), w[:, 1:].reshape(-1), reduction="sum"))
+            ev[1] += w.shape[0] * seq_len
+    dist.all_reduce(ev)
+    return float(ev[0] / ev[1]) / math.log(2.0)
+
+
+METHOD_OPTIMIZERS = ("dgc", "compressed_adam")
+"""The ``optimizer`` values whose optimizer exchanges in ``step()`` (gradcomp.optim.DGC with SGD
+momentum, gradcomp.optim.CompressedAdam): the model's DDP hook is
+:func:`gradcomp.optim.register_comm_hook` instead of a codec hook, and ``codec`` is the method's."""
+
+
+def method_optimizer(cfg: dict, ddp, world: int):
+    """The optimizer of a :data:`METHOD_OPTIMIZERS` run, its DDP hook registered.
+
+    - ``dgc``: :class:`gradcomp.optim.DGC` with ``momentum``, the density of the codec
+      ``topk:ratio=d`` (``cfg["codec"]``), ``cfg["dgc_warmup"]`` (``[(step, density)]``) and local
+      clipping at ``clip`` (the run's clip threshold, applied as DGC prescribes: clip / sqrt(W) per
+      rank);
+    - ``compressed_adam``: :class:`gradcomp.optim.CompressedAdam` with the codec, betas
+      (``momentum``, 0.999), ``freeze_step`` = ``cfg["freeze_step"]`` and error feedback
+      ``cfg["error_feedback"]``; the loop's clipping at ``clip`` then acts on the averaged
+      gradient during the dense warm-up and on each rank's local gradient after it (the hook
+      leaves the local gradient in place then).
+
+    Raises:
+        ValueError: dgc with a codec other than ``topk:ratio=D``; the optimizers' own errors.
+    """
+    import gradcomp.optim as go
+
+    kind = cfg["optimizer"]
+    if kind == "dgc":
+        spec = cfg["codec"]
+        if not spec.startswith("topk:ratio="):
+            raise ValueError(f"charlm: optimizer dgc with codec {spec!r}; accepted: topk:ratio=D (D: the density)")
+        warm = [tuple(e) for e in cfg.get("dgc_warmup") or []]
+        clip = cfg.get("dgc_clip", cfg["clip"])
+        opt = go.DGC(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], density=float(spec.split("=", 1)[1]),
+                     warmup=warm or None, clip=clip if clip and clip > 0 else None,
+                     nesterov=bool(cfg.get("nesterov", False)))
+    else:
+        opt = go.CompressedAdam(ddp.parameters(), lr=cfg["lr"], codec=cfg["codec"], betas=(cfg["momentum"], 0.999),
+                                freeze_step=int(cfg["freeze_step"]), error_feedback=cfg["error_feedback"],
+                                scheme=cfg.get("scheme", "auto"))
+    go.register_comm_hook(ddp, opt)
+    return opt
+
+
 def train_run(rank: int, world: int, cfg: dict) -> dict:
     """One charlm training run on this rank (a :class:`gradcomp.experiments.pool.GlooPool` job).
 
-    ``cfg`` keys: codec (spec), error_feedback (bool), seed (int), steps, optimizer ("adam" or
-    "sgd"), lr (peak), momentum (Adam's beta1 or SGD's momentum), clip (gradient l2 norm; 0:
-    none), batch_size (windows per rank per step), seq_len (characters predicted per window),
-    embed, hidden, bucket_cap_mb, start_iter, val_windows, corpus_max_bytes; optional stdlib
-    (directory of the corpus, default the interpreter's), progress_every (steps between
-    progress reports, default 10) and engine: "ddp" (default) or "fsdp2" (the model sharded by
-    FSDP2 instead of wrapped in DDP, gradcomp's compressed reduce-scatter or, for codec "dense",
-    FSDP2's own: :mod:`gradcomp.experiments.fsdp2`; bucket_cap_mb unused, start_iter must be 0).
+    ``cfg`` keys: codec (spec), error_feedback (bool), seed (int), steps, optimizer ("adam",
+    "sgd", or under DDP one of :data:`METHOD_OPTIMIZERS`: "dgc", "compressed_adam", whose
+    optimizer exchanges through its own DDP hook, :func:`method_optimizer`), lr (peak), momentum
+    (Adam's beta1 or SGD's momentum), clip (gradient l2 norm; 0: none; dgc: DGC's local clipping),
+    batch_size (windows per rank per step), seq_len (characters predicted per window), embed,
+    hidden, bucket_cap_mb, start_iter, val_windows, corpus_max_bytes; optional stdlib (directory
+    of the corpus, default the interpreter's), progress_every (steps between progress reports,
+    default 10), nesterov (sgd, dgc), dgc_warmup, freeze_step (:func:`method_optimizer`),
+    curve_every (DDP only: evaluate every that many steps and at the end, the result's
+    ``curve``) and engine: "ddp" (default) or "fsdp2" (the model sharded by FSDP2 instead of
+    wrapped in DDP, gradcomp's compressed reduce-scatter or, for codec "dense", FSDP2's own:
+    :mod:`gradcomp.experiments.fsdp2`; bucket_cap_mb unused, start_iter must be 0).
 
     Returns (every rank) a dict: val_bpc (validation bits per character), final_loss and
     train_loss (mean training cross-entropy in bits per character over all ranks, per progress
@@ -235,7 +305,10 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     backward with the hook, clipping, step), eval_s, wall_s, params (parameter count) and
     param_checksum (sum of the final float32 parameters' bit patterns as int32, for the parent's
     check that all ranks agree bitwise); under FSDP2 also exempt_numel (elements sent raw), and the
-    byte accounting is the reduce-scatters' (:func:`gradcomp.experiments.fsdp2.run_stats`)."""
+    byte accounting is the reduce-scatters' (:func:`gradcomp.experiments.fsdp2.run_stats`); with
+    curve_every, ``curve`` = ``[{"step", "wall_s", "val_bpc"}]`` (wall_s: seconds of the training
+    loop from its first step to that step's end, the curve's evaluations left out; evaluating
+    changes no parameter or RNG, so the run is bitwise the one without a curve)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -244,6 +317,11 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     from .runner import register_hook
 
     t_start = time.perf_counter()
+    engine = cfg.get("engine", "ddp")
+    curve_every = int(cfg.get("curve_every", 0))
+    if curve_every and engine != "ddp":
+        raise ValueError(f"charlm: curve_every={curve_every} under engine {engine!r}; accepted: ddp (the curve "
+                         f"evaluates the whole model mid-run)")
     corpus = build_corpus(cfg.get("stdlib"), cfg["corpus_max_bytes"])
     train = torch.from_numpy(corpus.train)
     val = torch.from_numpy(corpus.val)
@@ -251,7 +329,6 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(cfg["seed"])
     model = make_model(cfg["embed"], cfg["hidden"])
     n_params = sum(p.numel() for p in model.parameters())
-    engine = cfg.get("engine", "ddp")
     if engine == "fsdp2":
         from . import fsdp2
 
@@ -264,15 +341,22 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         ddp = model  # the FSDPModule: forward, parameters (DTensors)
     elif engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
-        state = register_hook(ddp, cfg["codec"], cfg["error_feedback"], cfg["start_iter"])
+        state = (None if cfg["optimizer"] in METHOD_OPTIMIZERS else
+                 register_hook(ddp, cfg["codec"], cfg["error_feedback"], cfg["start_iter"]))
     else:
         raise ValueError(f"charlm: engine={engine!r}; accepted: ddp, fsdp2")
+    clip_in_loop = cfg["clip"] > 0
     if cfg["optimizer"] == "adam":
         opt = torch.optim.Adam(ddp.parameters(), lr=cfg["lr"], betas=(cfg["momentum"], 0.999))
     elif cfg["optimizer"] == "sgd":
-        opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+        opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                              nesterov=bool(cfg.get("nesterov", False)))
+    elif cfg["optimizer"] in METHOD_OPTIMIZERS and engine == "ddp":
+        opt = method_optimizer(cfg, ddp, world)
+        clip_in_loop = clip_in_loop and cfg["optimizer"] != "dgc"  # DGC clips each rank's gradient itself
     else:
-        raise ValueError(f"charlm: optimizer={cfg['optimizer']!r}; accepted: adam, sgd")
+        raise ValueError(f"charlm: optimizer={cfg['optimizer']!r} (engine {engine}); accepted: adam, sgd, and "
+                         f"under ddp {', '.join(METHOD_OPTIMIZERS)}")
     gen = torch.Generator().manual_seed(2000 + cfg["seed"])
     span = train.shape[0] - T - 1
     ar = torch.arange(T + 1)
@@ -282,6 +366,9 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     loss_sum = torch.zeros(2, dtype=torch.float64)
     compute_s = 0.0
     ln2 = math.log(2.0)
+    curve: List[dict] = []
+    curve_eval_s = 0.0
+    t_loop = time.perf_counter()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * step / steps))
@@ -292,7 +379,7 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
         logits = ddp(win[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), win[:, 1:].reshape(-1))
         loss.backward()
-        if cfg["clip"] > 0:
+        if clip_in_loop:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
         compute_s += time.perf_counter() - t0
@@ -304,36 +391,36 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
             loss_sum.zero_()
             if rank == 0:
                 report({"step": step + 1, "loss": losses[-1]})
+        if curve_every and ((step + 1) % curve_every == 0 or step + 1 == steps):
+            t1 = time.perf_counter()  # the curve's clock: training only (its evaluations left out)
+            curve.append({"step": step + 1, "wall_s": t1 - t_loop - curve_eval_s,
+                          "val_bpc": evaluate(model, val, T, cfg["val_windows"], rank, world)})
+            model.train()
+            curve_eval_s += time.perf_counter() - t1
     t_eval = time.perf_counter()
     extra = {}
     if engine == "fsdp2":  # evaluate a plain copy with the full parameters (no collective per batch)
         st = fsdp2.run_stats(state, units, world, steps)
         extra["exempt_numel"] = fsdp2.exempt_numel(state, numels)
         model = fsdp2.gathered(model, lambda: make_model(cfg["embed"], cfg["hidden"]))
-    offs = val_offsets(val.shape[0], T, cfg["val_windows"])[rank::world]
-    ev = torch.zeros(2, dtype=torch.float64)  # [sum of nats, predicted characters]
-    model.eval()
+    val_bpc = evaluate(model, val, T, cfg["val_windows"], rank, world)
     with torch.no_grad():
-        for i in range(0, len(offs), 64):
-            w = val[torch.tensor(offs[i:i + 64])[:, None] + ar].long()
-            lg = model(w[:, :-1])
-            ev[0] += float(F.cross_entropy(lg.reshape(-1, VOCAB_SIZE), w[:, 1:].reshape(-1), reduction="sum"))
-            ev[1] += w.shape[0] * T
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         checksum = int(flat.view(torch.int32).to(torch.int64).sum())
-    dist.all_reduce(ev)
-    eval_s = time.perf_counter() - t_eval
-    from .runner import hook_totals
+    eval_s = time.perf_counter() - t_eval + curve_eval_s
+    from .runner import hook_totals, optimizer_stats
 
     return {
-        "val_bpc": float(ev[0] / ev[1]) / ln2,
+        "val_bpc": val_bpc,
         "train_loss": losses,
         "final_loss": losses[-1] if losses else float("nan"),
-        **hook_totals(st if engine == "fsdp2" else state.stats()),
+        **hook_totals(st if engine == "fsdp2" else state.stats() if state is not None else
+                      optimizer_stats(cfg["optimizer"], opt, model, world, steps)),
         **extra,
         "train_s": compute_s,
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - t_start,
         "params": n_params,
         "param_checksum": checksum,
+        **({"curve": curve} if curve_every else {}),
     }

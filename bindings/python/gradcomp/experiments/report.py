@@ -16,7 +16,7 @@ import os
 import statistics
 from typing import Callable, Dict, List, Optional, TextIO
 
-from .args import OPTIMIZERS
+from .args import CHARLM_METHOD_OPTIMIZERS, OPTIMIZERS
 from .fsdp2 import DENSE, MIN_COMPRESS_NUMEL
 
 CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "test_accuracy", "final_loss",
@@ -24,7 +24,7 @@ CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "test_a
                "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
                "decode_s", "comm_s", "train_s", "wall_s", "workers", "epochs"]
 
-CHARLM_CSV_COLUMNS = ["codec", "scheme", "error_feedback", "seed", "val_bpc", "final_loss", "packet_ratio",
+CHARLM_CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "val_bpc", "final_loss", "packet_ratio",
                       "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
                       "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
                       "decode_s", "comm_s", "train_s", "eval_s", "wall_s", "workers", "params"]
@@ -79,14 +79,15 @@ def fsdp2_lines(summary: List[dict], prefix: str, unit: str, units: str, params:
 
 
 def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "acc") -> List[dict]:
-    """Group runs by (codec, error_feedback): mean, std (sample, 0 for one seed), min and max of
+    """Group runs by (codec, optimizer, error_feedback) (rows without ``optimizer``: by codec and
+    error feedback; a group's ``optimizer`` is its rows'): mean, std (sample, 0 for one seed), min and max of
     ``metric`` (keys ``{prefix}_mean``, ``_std``, ``_min``, ``_max``; digits: test accuracy, acc_*;
     charlm: val_bpc, bpc_*), and the means of the final loss, the ratios and times."""
     groups: Dict[tuple, List[dict]] = {}
     for r in rows:
-        groups.setdefault((r["codec"], r["error_feedback"]), []).append(r)
+        groups.setdefault((r["codec"], r.get("optimizer"), r["error_feedback"]), []).append(r)
     out = []
-    for (codec, ef), rs in groups.items():
+    for (codec, optimizer, ef), rs in groups.items():
         vals = [r[metric] for r in rs]
 
         def mean(k):
@@ -97,6 +98,8 @@ def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "ac
              f"{prefix}_mean": statistics.fmean(vals),
              f"{prefix}_std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
              f"{prefix}_min": min(vals), f"{prefix}_max": max(vals)}
+        if optimizer is not None:
+            s["optimizer"] = optimizer
         for k in ("final_loss", "packet_ratio", "wire_ratio", "bits_per_element", "encode_s", "decode_s",
                   "comm_s", "train_s", "wall_s"):
             s[k] = mean(k)
@@ -187,26 +190,87 @@ def link_target(rows: List[dict], summary: List[dict], description: str) -> dict
     return {"description": description, "target": target, "dense": base}
 
 
-def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict, params: int,
-                        notes: List[str], exempt: Optional[int] = None) -> str:
-    """The charlm Markdown table: validation bits per character (mean +- sample std over seeds,
-    min-max), the final training loss (bits per character, the last 10 steps' mean), the ratios
-    and the times (seconds per run); a footer with the corpus, the model and the training setup.
-    Under ``a.engine`` fsdp2 the footer says what the ratios are there (:func:`fsdp2_lines`;
-    ``exempt``: elements of the exempt parameters) and each row against the dense row."""
-    head = ("| codec | scheme | EF | runs | val bits/char (mean ± std) | min–max | final train bits/char | "
-            "packet_ratio | wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
-    sep = "|" + "---|" * 14
-    lines = [head, sep]
+# the charlm optimizers: label in the table, and the optimizer whose dense run (codec none, no
+# error feedback) a row is read against (the "vs dense" column, the --link target)
+CHARLM_OPTIMIZERS = dict({"adam": ("Adam", "adam")}, **CHARLM_METHOD_OPTIMIZERS)
+
+CHARLM_TARGET_FRACTION = 1.02
+"""Under ``--link``: a charlm row's target is this times the final val bits/char of the dense run
+of its base optimizer (:data:`CHARLM_OPTIMIZERS`)."""
+
+
+def charlm_dense(summary: List[dict]) -> Dict[str, float]:
+    """Base optimizer -> the mean val bits/char of its dense group (codec none, no error
+    feedback) in ``summary``; optimizers without one are absent."""
+    return {s.get("optimizer", "adam"): s["bpc_mean"] for s in summary
+            if s["codec"] == "none" and not s["error_feedback"]}
+
+
+def charlm_link_target(rows: List[dict], summary: List[dict], description: str) -> dict:
+    """Under ``--link``: each run's ``time_to_target_s`` / ``steps_to_target`` (None: not reached)
+    from its ``curve``, the target being :data:`CHARLM_TARGET_FRACTION` x the dense val bits/char
+    of its base optimizer (:func:`charlm_dense`), and per summary group ``target``,
+    ``time_to_target_s`` / ``steps_to_target`` (means over the seeds that reached it; None if
+    none did) and ``reached``. Rows and groups are updated in place; returns
+    ``{"description", "targets": {optimizer: bits/char}, "dense": {optimizer: bits/char}}``."""
+    dense = charlm_dense(summary)
+    targets = {o: CHARLM_TARGET_FRACTION * d for o, d in dense.items()}
+    for r in rows:
+        goal = targets.get(CHARLM_OPTIMIZERS.get(r.get("optimizer", "adam"), ("", ""))[1])
+        r["time_to_target_s"] = r["steps_to_target"] = None
+        for c in (r.get("curve", []) if goal is not None else []):
+            if c["val_bpc"] <= goal:
+                r["time_to_target_s"], r["steps_to_target"] = c["wall_s"], c["step"]
+                break
     for s in summary:
-        lines.append(
-            f"| {s['codec']} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
-            f"{s['bpc_mean']:.4f} ± {s['bpc_std']:.4f} | {s['bpc_min']:.4f}–{s['bpc_max']:.4f} | "
-            f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
-            f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
-            f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
-    lines.append("")
+        mine = [r for r in rows if r["codec"] == s["codec"] and r.get("optimizer") == s.get("optimizer")
+                and r["error_feedback"] == s["error_feedback"]]
+        hit = [r for r in mine if r["time_to_target_s"] is not None]
+        s["target"] = targets.get(CHARLM_OPTIMIZERS.get(s.get("optimizer", "adam"), ("", ""))[1])
+        s["reached"] = len(hit)
+        s["time_to_target_s"] = statistics.fmean(r["time_to_target_s"] for r in hit) if hit else None
+        s["steps_to_target"] = statistics.fmean(r["steps_to_target"] for r in hit) if hit else None
+    return {"description": description, "targets": targets, "dense": dense}
+
+
+def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict, params: int,
+                        notes: List[str], exempt: Optional[int] = None, link: Optional[dict] = None) -> str:
+    """The charlm Markdown table: the optimizer (:data:`CHARLM_OPTIMIZERS`' label), validation
+    bits per character (mean +- sample std over seeds, min-max), under DDP relative to the dense
+    run of the row's base optimizer ("vs dense"), the final training loss (bits per character,
+    the last 10 steps' mean), the ratios and the times (seconds per run); a footer with the
+    corpus, the model and the training setup. Under ``a.engine`` fsdp2 the footer says what the
+    ratios are there (:func:`fsdp2_lines`; ``exempt``: elements of the exempt parameters) and each
+    row against the dense row. With ``link`` (:func:`charlm_link_target`'s dict) four more
+    columns: the target, the mean time to it (s) and its mean step over the seeds that reached
+    it, how many did, and the mean wall time of a run."""
     fsdp2 = getattr(a, "engine", "ddp") == "fsdp2"
+    dense = {} if fsdp2 else charlm_dense(summary)
+    head = ("| codec | optimizer | scheme | EF | runs | val bits/char (mean ± std) | min–max | vs dense | "
+            "final train bits/char | packet_ratio | wire_ratio | bits/elem | encode s | comm s | decode s | "
+            "train s |")
+    ncol = 16
+    if link is not None:
+        head += " target bits/char | time to target s | step | reached | run wall s |"
+        ncol += 5
+    lines = [head, "|" + "---|" * ncol]
+    for s in summary:
+        label, base = CHARLM_OPTIMIZERS.get(s.get("optimizer", a.optimizer), (s.get("optimizer", "?"), None))
+        d = dense.get(base)
+        rel = "-" if d is None else f"{100 * (s['bpc_mean'] - d) / d:+.2f}%"
+        line = (f"| {s['codec']} | {label} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
+                f"{s['bpc_mean']:.4f} ± {s['bpc_std']:.4f} | {s['bpc_min']:.4f}–{s['bpc_max']:.4f} | "
+                f"{rel} | "
+                f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
+                f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
+                f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
+        if link is not None:
+            t, st, g = s.get("time_to_target_s"), s.get("steps_to_target"), s.get("target")
+            line += (f" {'-' if g is None else f'{g:.4f}'} | {'-' if t is None else f'{t:.2f}'} | "
+                     f"{'-' if st is None else f'{st:.0f}'} | {s.get('reached', 0)}/{s['runs']} | "
+                     f"{s['wall_s']:.2f} |")
+        lines.append(line)
+    lines.append("")
     workers = "" if fsdp2 else f"W = {a.workers} gloo workers (CPU). "  # fsdp2: its own lines below
     lines.append(
         f"{workers}Corpus: {corpus['train_files'] + corpus['val_files']} *.py files of "
@@ -223,6 +287,28 @@ def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict
         for ln in fsdp2_lines(summary, "bpc", "bits/char", "embed, lstm (both layers) and head", params, exempt,
                               a.workers):
             lines += ["", ln]
+    methods = {o for o, _ in getattr(a, "method_list", [])}
+    if methods:
+        warm = ", ".join(f"{d:g} from step {st}" for st, d in getattr(a, "dgc_warmup", [])) or "none"
+        lines += ["", "Method rows (--charlm-methods): " + "; ".join(
+            {"sgd": f"SGD = torch.optim.SGD with momentum {a.momentum:g}, peak lr {a.sgd_lr:g} (tuned once for "
+                    f"dense SGD), the loop's clipping at {a.clip:g}, codec none",
+             "dgc": f"DGC (SGD) = gradcomp.optim.DGC (Lin et al., ICLR 2018: momentum correction, momentum factor "
+                    f"masking, local clipping at {a.clip:g} / sqrt(W), 1-D parameters dense), the SGD row's lr and "
+                    f"momentum, density = the top-k ratio, density warm-up: {warm}",
+             "compressed_adam": f"CompressedAdam = gradcomp.optim.CompressedAdam (1-bit Adam's recipe, Tang et al. "
+                                f"2021, for any codec): dense Adam for {a.freeze_step} steps, then the variance "
+                                f"frozen and the momentum exchanged through the codec with worker and server "
+                                f"error feedback, peak lr {a.adam_lr:g}"}[o] for o in ("sgd", "dgc", "compressed_adam")
+            if o in methods) + ". vs dense: against the dense run (codec none) of the same optimizer (Adam for "
+            "Adam and CompressedAdam, SGD for SGD and DGC); bits/elem over the whole run, warm-up included."]
+    if link is not None:
+        tg = ", ".join(f"{CHARLM_OPTIMIZERS[o][0]} {t:.4f}" for o, t in link["targets"].items())
+        lines += ["", f"Link: {link['description']}. Target = {CHARLM_TARGET_FRACTION:g} x the final val bits/char "
+                      f"of the dense run of the row's optimizer ({tg or 'no dense run in this sweep'}); time to "
+                      f"target = training-loop seconds from the first step to the end of the first step whose "
+                      f"validation (every {getattr(a, 'curve_every', 0)} steps, evaluation time left out) reaches "
+                      f"it, mean over the seeds that reached it ('-': none did); run wall s = the whole run (mean)."]
     for n in notes:
         lines.append("")
         lines.append(f"Note: {n}.")
@@ -243,7 +329,8 @@ PLOTS = {
                "title": "digits MLP, {workers} DDP workers: accuracy vs compression"},
     "charlm": {"prefix": "bpc", "best": min, "legend": "upper right", "x_margin": 0.1,
                "series": ((False, "o", "tab:red", "no error feedback", -10),
-                          (True, "s", "tab:blue", "error feedback", 5)),
+                          (True, "s", "tab:blue", "error feedback", 5),
+                          (None, "^", "tab:green", "method rows: SGD / DGC / CompressedAdam", 5)),
                "ylabel": "validation bits per character (mean; bars: min-max over seeds)",
                "title": "char-level LSTM on the Python stdlib, {workers} DDP workers: bits/char vs compression"},
 }
@@ -254,7 +341,8 @@ def plot(summary: List[dict], path: str, workers: int, task: str = "digits", eng
     """PNG (``path``) of one task's summary (:func:`summarize`): the mean metric (digits: test
     accuracy, %; charlm: validation bits per character, lower is better) against bits per element,
     log x, error bars min..max over seeds, one series per error-feedback setting (digits also the
-    optimizer rows), each point labelled with its codec; the dense run (codec none without error
+    optimizer rows, charlm its method rows), each point labelled with its codec (method rows: and
+    optimizer); the dense run (codec none without error
     feedback; under ``engine`` fsdp2 the dense row, FSDP2 without gradcomp, when the sweep has one)
     as a dashed line. ``task``: a key of :data:`PLOTS`.
 
@@ -270,10 +358,14 @@ def plot(summary: List[dict], path: str, workers: int, task: str = "digits", eng
     key = spec["prefix"] + "_mean"
     lo, hi = spec["prefix"] + "_min", spec["prefix"] + "_max"
     opt_labels = {label for label, _ in OPTIMIZERS.values()}
+
+    def method(s):  # a digits optimizer row or a charlm method row
+        return s["codec"] in opt_labels or s.get("optimizer") in CHARLM_METHOD_OPTIMIZERS
+
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     for ef, marker, color, label, dy in spec["series"]:
-        pts = sorted((s for s in summary if (s["codec"] in opt_labels if ef is None else
-                                             s["error_feedback"] == ef and s["codec"] not in opt_labels)),
+        pts = sorted((s for s in summary if (method(s) if ef is None else
+                                             s["error_feedback"] == ef and not method(s))),
                      key=lambda s: s["bits_per_element"])
         if not pts:
             continue
@@ -286,7 +378,7 @@ def plot(summary: List[dict], path: str, workers: int, task: str = "digits", eng
     dense = [s[key] for s in summary if s["codec"] == DENSE]
     label = f"{DENSE} (FSDP2 without gradcomp)"
     if not dense:
-        dense = [s[key] for s in summary if s["codec"] == "none" and not s["error_feedback"]]
+        dense = [s[key] for s in summary if s["codec"] == "none" and not s["error_feedback"] and not method(s)]
         label = "dense (codec none)"
     if dense:
         ax.axhline(dense[0], color="gray", linestyle="--", linewidth=0.8, label=label)
@@ -309,8 +401,10 @@ def _annotate(ax, pts: List[dict], key: str, color: str, dy: int, pick: Callable
     ``ndigits`` decimals) share it, placed at ``pick`` (max or min) of their ``key`` values."""
     labels: Dict[float, List[str]] = {}
     for s in pts:
-        labels.setdefault(round(s["bits_per_element"], ndigits), []).append(
-            s["codec"].replace("topk:ratio=", "top-k ").replace("powersgd:rank=", "PowerSGD r"))
+        name = s["codec"].replace("topk:ratio=", "top-k ").replace("powersgd:rank=", "PowerSGD r")
+        if s.get("optimizer") in CHARLM_METHOD_OPTIMIZERS:  # charlm method rows: the optimizer's label first
+            name = CHARLM_METHOD_OPTIMIZERS[s["optimizer"]][0].split(" ")[0] + " " + name
+        labels.setdefault(round(s["bits_per_element"], ndigits), []).append(name)
     for s in pts:
         k = round(s["bits_per_element"], ndigits)
         if k not in labels:
@@ -360,15 +454,17 @@ def digits_rows(plans: List[dict], results: List[list], workers: int, epochs: in
 
 def charlm_rows(plans: List[dict], results: List[list], workers: int) -> List[dict]:
     """One row per charlm run: rank 0's result's :data:`CHARLM_CSV_COLUMNS`, the run's codec,
-    error feedback and seed, W and the training loss per progress interval."""
+    optimizer, error feedback and seed, W, the training loss per progress interval and (under
+    ``--link``) the validation ``curve``."""
     rows = []
     for cfg, res in zip(plans, results):
         r0 = res[0]
         row = {k: r0[k] for k in CHARLM_CSV_COLUMNS if k in r0}
-        row.update(codec=cfg["codec"], error_feedback=cfg["error_feedback"], seed=cfg["seed"],
-                   workers=workers, train_loss=r0["train_loss"])
-        if "exempt_numel" in r0:  # --engine fsdp2 (the JSON; not a CSV column)
-            row["exempt_numel"] = r0["exempt_numel"]
+        row.update(codec=cfg["codec"], optimizer=cfg["optimizer"], error_feedback=cfg["error_feedback"],
+                   seed=cfg["seed"], workers=workers, train_loss=r0["train_loss"])
+        for k in ("exempt_numel", "curve"):  # --engine fsdp2, --link (the JSON; not CSV columns)
+            if k in r0:
+                row[k] = r0[k]
         rows.append(row)
     return rows
 
@@ -402,13 +498,20 @@ def _charlm(a: argparse.Namespace, sw: argparse.Namespace):
     summary = summarize(rows, metric="val_bpc", prefix="bpc")
     params = rows[0]["params"]
     notes = [n for n in a.notes if n.startswith("charlm:")]
-    if sw.link_desc is not None:
-        notes.append(f"charlm: run behind {sw.link_desc} (the time to a target is reported for digits only)")
+    link, columns = None, CHARLM_CSV_COLUMNS
+    if sw.link_desc is not None and getattr(t, "curve_every", 0):
+        link = charlm_link_target(rows, summary, sw.link_desc)
+        columns = CHARLM_CSV_COLUMNS + ["time_to_target_s", "steps_to_target"]
+    elif sw.link_desc is not None:
+        notes.append(f"charlm: run behind {sw.link_desc} (no time to target under --engine fsdp2: the curve "
+                     f"evaluates the whole model mid-run)")
     exempt = max((r["exempt_numel"] for r in rows if r.get("exempt_numel")), default=None)
-    table = format_charlm_table(summary, t, sw.corpus, params, notes, exempt=exempt)
+    table = format_charlm_table(summary, t, sw.corpus, params, notes, exempt=exempt, link=link)
     config = dict(vars(t), task=task, full=a.full, out=a.out, params=params)
     js = {"config": config, "corpus": sw.corpus, "wall_s": sw.walls[task], "runs": rows, "summary": summary}
-    return rows, summary, table, CHARLM_CSV_COLUMNS, js
+    if link is not None:
+        js["link"] = dict(link, rate=a.link, nodes=a.link_nodes, setup=sw.link_setup)
+    return rows, summary, table, columns, js
 
 
 def write(a: argparse.Namespace, sw: argparse.Namespace, out: TextIO) -> List[Dict[str, str]]:

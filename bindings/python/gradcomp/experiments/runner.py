@@ -198,10 +198,12 @@ def hook_totals(st: dict) -> dict:
 
 
 def optimizer_stats(kind: str, opt, model, world: int, steps: int) -> dict:
-    """The hook's ``stats()`` shape for the optimizer rows (Adam, 1-bit Adam), from the planner's
-    formulas: Adam allreduces every float32 gradient every step (one "dense" packet of all
-    gradients); 1-bit Adam's bytes are the optimizer's ``comm_stats()`` (dense warm-up averaging,
-    then onebit packets of the padded momenta)."""
+    """The hook's ``stats()`` shape for the optimizer rows, over the whole run (warm-up included),
+    from the planner's formulas: ``kind`` "adam" allreduces every float32 gradient every step (one
+    "dense" packet of all gradients); the others' bytes are the optimizer's ``comm_stats()``:
+    "onebit_adam" (digits' 1-bit Adam: dense warm-up averaging, then onebit packets of the padded
+    momenta; scheme "dense+onebit"), "dgc" and "compressed_adam" (charlm's method rows; scheme
+    the kind)."""
     from .. import planner
 
     numel = sum(p.numel() for p in model.parameters())
@@ -211,7 +213,8 @@ def optimizer_stats(kind: str, opt, model, world: int, steps: int) -> dict:
         packet, sent, scheme = dense * steps, ring * steps, "dense"
     else:
         cs = opt.comm_stats()
-        packet, sent, scheme = cs["packet_bytes"], cs["sent_bytes"], "dense+onebit"
+        packet, sent = cs["packet_bytes"], cs["sent_bytes"]
+        scheme = "dense+onebit" if kind == "onebit_adam" else kind
     tot = {"numel": numel * steps, "dense_bytes": dense * steps, "packet_bytes": packet, "sent_bytes": sent,
            "ring_bytes": ring * steps, "encode_s": 0.0, "decode_s": 0.0, "comm_s": 0.0}
     tot.update(planner.summarize(tot))

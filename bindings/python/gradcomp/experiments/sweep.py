@@ -57,14 +57,26 @@ def plan_runs(a: argparse.Namespace) -> List[dict]:
 
 def plan_charlm_runs(a: argparse.Namespace) -> List[dict]:
     """The charlm runs, in order (``a``: ``parse_args(...).charlm``): codec, then error feedback,
-    then seed; each a :func:`gradcomp.experiments.charlm.train_run` configuration (with the
-    task's ``engine``: the same settings under DDP and FSDP2)."""
+    then seed (the task's optimizer with the codec's hook); then the method rows
+    (``a.method_list``, ``(optimizer, codec)`` pairs of ``--charlm-methods``) seed by seed: sgd
+    at ``a.sgd_lr`` (dense), dgc at ``a.sgd_lr`` with ``a.dgc_warmup``, compressed_adam at
+    ``a.adam_lr`` with ``freeze_step`` = ``a.freeze_step``, error feedback on (off for codec
+    none). Each is a :func:`gradcomp.experiments.charlm.train_run` configuration (with the task's
+    ``engine``: the same settings under DDP and FSDP2)."""
     common = dict(steps=a.steps, optimizer=a.optimizer, lr=a.lr, momentum=a.momentum, clip=a.clip,
                   batch_size=a.batch_size, seq_len=a.seq_len, embed=a.embed, hidden=a.hidden,
                   bucket_cap_mb=a.bucket_cap_mb, start_iter=a.start_iter, val_windows=a.val_windows,
                   corpus_max_bytes=a.corpus_bytes, progress_every=10, engine=getattr(a, "engine", "ddp"))
-    return [dict(common, codec=c, error_feedback=ef, seed=s)
+    if getattr(a, "curve_every", 0):
+        common["curve_every"] = a.curve_every
+    runs = [dict(common, codec=c, error_feedback=ef, seed=s)
             for c in a.codec_list for ef in efs_for(c, a) for s in range(seeds_for(c, a))]
+    for opt, c in getattr(a, "method_list", []):
+        extra = {"sgd": dict(lr=a.sgd_lr), "dgc": dict(lr=a.sgd_lr, dgc_warmup=list(a.dgc_warmup)),
+                 "compressed_adam": dict(lr=a.adam_lr, freeze_step=a.freeze_step)}[opt]
+        runs += [dict(common, optimizer=opt, codec=c, error_feedback=family(c) != "none", start_iter=0, seed=s,
+                      **extra) for s in range(a.seeds)]
+    return runs
 
 
 def setting(codec: str, ef: bool) -> str:
@@ -180,7 +192,8 @@ def run(a: argparse.Namespace) -> argparse.Namespace:
                 bar_in.set_description(label)
                 results[task] = run_sweep(
                     pool, plans[task], fn, units, (bar_runs, bar_in),
-                    lambda c, task=task: f"{task} {setting(c['codec'], c['error_feedback'])} seed {c['seed']}")
+                    lambda c, task=task: f"{task} {c['optimizer']} {setting(c['codec'], c['error_feedback'])} "
+                                         f"seed {c['seed']}")
                 walls[task] = time.perf_counter() - t0
     wall_all = time.perf_counter() - t_all
     return argparse.Namespace(plans=plans, results=results, walls=walls, wall_all=wall_all, total_runs=total_runs,

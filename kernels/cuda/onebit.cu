@@ -147,7 +147,11 @@ template <bool Last> __global__ void __launch_bounds__(kThreads) scale_kernel(En
       nf |= chunk_nonfinite(s, a.div1 ? 1.0f : a.div);
     }
   }
-  if constexpr (Last) finish(a, nf);
+  if constexpr (Last) {
+    finish(a, nf);
+  } else if (__syncthreads_or(nf) && threadIdx.x == 0) {
+    atomicOr(a.flag, 1u);  // the residual pass finishes the packet: the flag must be set before it
+  }
 }
 
 // ---- pass 3: r_new = x' - divisor * D, element-wise --------------------------------------------------------------

@@ -945,6 +945,30 @@ TEST(CudaOnebit, PacketsAndResidualsEqualTheCpu) {
   }
 }
 
+// The header's non-finite flag (byte 11, bit 0) with one NaN in 2^20 elements, with and without a
+// residual, for chunks of one reduce tile and of several (the three-kernel path, whose scale pass
+// once computed the flag and dropped it when the residual pass finished the packet): set on the GPU
+// exactly as on the CPU.
+TEST(CudaOnebit, NonFiniteFlagOnEveryPath) {
+  REQUIRE_GPU();
+  const int64_t n = int64_t(1) << 20;
+  std::vector<float> v(static_cast<size_t>(n), 0.25f);
+  v[777777] = std::numeric_limits<float>::quiet_NaN();
+  const auto x = to_dtype(v, DType::float32);
+  std::vector<float> r(static_cast<size_t>(n), 0.0f);
+  for (const std::string spec : {"onebit", "onebit:chunk=4096", "onebit:chunk=12296"}) {  // whole tensor, 1 and 4 tiles
+    auto c = Codec::create(spec);
+    for (bool with_r : {false, true}) {
+      SCOPED_TRACE(spec + (with_r ? " with a residual" : " without a residual"));
+      const auto cpu = encode_cpu(*c, x, DType::float32, n, with_r ? &r : nullptr, 1.0f);
+      const auto gpu = encode_gpu(*c, x, DType::float32, n, with_r ? &r : nullptr, 1.0f);
+      EXPECT_EQ(cpu.packet[11] & 1, 1);
+      EXPECT_EQ(gpu.packet[11] & 1, 1);
+      EXPECT_EQ(first_diff(gpu.packet, cpu.packet), -1);
+    }
+  }
+}
+
 TEST(CudaInfo, BuildInfo) {
   const auto b = gradcomp::build_info();
   EXPECT_TRUE(b.cuda);

@@ -352,14 +352,14 @@ def test_charlm_methods_plan():
     c = parse_args(["--task", "charlm"]).charlm
     assert c.method_list == [("sgd", "none"), ("dgc", "topk:ratio=0.01"), ("dgc", "topk:ratio=0.001"),
                              ("compressed_adam", "topk:ratio=0.01"), ("compressed_adam", "topk:ratio=0.001")]
-    assert (c.sgd_lr, c.adam_lr, c.freeze_step, c.dgc_warmup, c.curve_every) == (4.0, 2e-2, 15, [], 0)
+    assert (c.sgd_lr, c.adam_lr, c.freeze_step, c.dgc_warmup, c.curve_every) == (4.0, 2e-2, 30, [], 0)
     runs = plan_charlm_runs(c)
     methods = [r for r in runs if r["optimizer"] != "adam"]
     assert [(r["optimizer"], r["codec"], r["error_feedback"], r["lr"], r["seed"]) for r in methods] == [
         ("sgd", "none", False, 4.0, 0), ("dgc", "topk:ratio=0.01", True, 4.0, 0),
         ("dgc", "topk:ratio=0.001", True, 4.0, 0), ("compressed_adam", "topk:ratio=0.01", True, 2e-2, 0),
         ("compressed_adam", "topk:ratio=0.001", True, 2e-2, 0)]
-    assert all(r["freeze_step"] == 15 for r in methods if r["optimizer"] == "compressed_adam")
+    assert all(r["freeze_step"] == 30 for r in methods if r["optimizer"] == "compressed_adam")
     assert all(r["dgc_warmup"] == [] for r in methods if r["optimizer"] == "dgc")
     # the codec sweep is unchanged: the task's optimizer (Adam) first
     assert [r["optimizer"] for r in runs[:len(runs) - 5]] == ["adam"] * (len(runs) - 5)

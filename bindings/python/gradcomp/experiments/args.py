@@ -312,9 +312,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="peak learning rate of the sgd and dgc rows (default 4.0, tuned once for dense SGD)")
     c.add_argument("--charlm-adam-lr", type=float, default=CHARLM_LR["adam"],
                    help="peak learning rate of the compressed_adam rows (default 2e-2, the Adam default)")
-    c.add_argument("--charlm-freeze-fraction", type=float, default=0.1,
+    c.add_argument("--charlm-freeze-fraction", type=float, default=0.2,
                    help="CompressedAdam's dense warm-up (freeze_step) as a fraction of --charlm-steps, "
-                        "rounded, at least 1 step (default 0.1)")
+                        "rounded, at least 1 step (default 0.2: DeepSpeed's 1-bit Adam tutorial advises "
+                        "15-25%% of the steps)")
     c.add_argument("--charlm-dgc-warmup", default="",
                    help="DGC's density warm-up, STEP:DENSITY entries separated by ',' (e.g. the paper's x1/4 "
                         "per stage '0:0.25,5:0.0625,10:0.015625'); default '' (none: the measured gain did not "

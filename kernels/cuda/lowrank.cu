@@ -76,6 +76,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <unordered_map>
 
 #include "../common/philox.hpp"
 #include "../core/lowrank_backend.hpp"
@@ -104,10 +105,24 @@ using gradcomp::detail::concat;
     if (gradcomp_st_ != CUBLAS_STATUS_SUCCESS) throw_cublas_error(gradcomp_st_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-//! What DeviceState::extra points to: the device of the entry (release needs it).
+//! What DeviceState::extra points to: the device of the entry (release needs it) and the cuBLAS
+//! workspace of each stream the handle has run on. One handle serves every stream of its device
+//! (under Resources::Impl::mutex); with one shared workspace, GEMMs still running on one stream
+//! and GEMMs enqueued on another would use the same scratch memory. So each stream gets its own,
+//! set after every cublasSetStream (which resets the handle to the default workspace), as
+//! PyTorch's handle pool does.
 struct DeviceExtra {
   int device = 0;
+  std::unordered_map<cudaStream_t, void*> workspaces;
 };
+
+//! cuBLAS's advised workspace: 32 MiB on Hopper and newer, 4 MiB before (the cuBLAS documentation,
+//! cublasSetWorkspace).
+int64_t cublas_workspace_bytes(int device) {
+  int major = 0;
+  GRADCOMP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9 ? (int64_t(32) << 20) : (int64_t(4) << 20);
+}
 
 std::atomic<bool> g_exiting{false};
 void mark_exiting() noexcept { g_exiting.store(true, std::memory_order_relaxed); }
@@ -120,6 +135,8 @@ void release_device(Resources::Impl::DeviceState& d) noexcept {
     const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
     const bool switched = extra != nullptr && extra->device != prev && cudaSetDevice(extra->device) == cudaSuccess;
     (void)cublasDestroy(static_cast<cublasHandle_t>(d.handle));
+    if (extra != nullptr)
+      for (auto& e : extra->workspaces) (void)cudaFree(e.second);
     if (switched && have_prev && gcuda::primary_context_active(prev)) (void)cudaSetDevice(prev);
   }
   if (!g_exiting.load(std::memory_order_relaxed)) delete extra;
@@ -135,7 +152,7 @@ cublasHandle_t device_handle(Resources::Impl& res, int device) {
   res.release = &release_device;
   Resources::Impl::DeviceState& d = res.devices[size_t(device)];
   if (d.handle != nullptr) return static_cast<cublasHandle_t>(d.handle);
-  if (d.extra == nullptr) d.extra = new DeviceExtra{device};
+  if (d.extra == nullptr) d.extra = new DeviceExtra{device, {}};
   static std::once_flag hook;
   std::call_once(hook, [] { std::atexit(&mark_exiting); });
   cublasHandle_t h = nullptr;
@@ -177,7 +194,19 @@ void gemms(const MatrixBatch& m, const float* in, float* out, int64_t rank, bool
   const int64_t out_stride = (back ? m.cols : m.rows) * rank;
   std::lock_guard<std::mutex> lock(res.mutex);
   cublasHandle_t h = device_handle(res, device);
-  GRADCOMP_CUBLAS_CHECK(cublasSetStream(h, to_cuda(stream)));
+  const cudaStream_t cs = to_cuda(stream);
+  GRADCOMP_CUBLAS_CHECK(cublasSetStream(h, cs));
+  {  // this stream's own workspace (DeviceExtra), allocated on its first GEMM
+    auto& wss = static_cast<DeviceExtra*>(res.devices[size_t(device)].extra)->workspaces;
+    const int64_t bytes = cublas_workspace_bytes(device);
+    auto it = wss.find(cs);
+    if (it == wss.end()) {
+      void* ws = nullptr;
+      GRADCOMP_CUDA_CHECK(cudaMalloc(&ws, size_t(bytes)));
+      it = wss.emplace(cs, ws).first;
+    }
+    GRADCOMP_CUBLAS_CHECK(cublasSetWorkspace(h, it->second, size_t(bytes)));
+  }
   for_each_run(m.offsets, m.count, [&](const Run& r) {
     const float* M = base + m.offsets[r.b0];
     const float* A = in + r.b0 * in_stride;
@@ -432,10 +461,24 @@ unsigned elementwise_grid(int64_t n, int device, int threads) {
   return unsigned(gcuda::plan::max64(1, gcuda::plan::min64(gcuda::plan::ceil_div(n, threads), cap)));
 }
 
-template <bool Staged> void launch_ortho(const OrthoArgs& a, int64_t smem, cudaStream_t s) {
+//! Raises the ortho kernel's dynamic shared memory cap on `device` (current) to `limit`, the most
+//! any call on that device asks for, once per (kernel, device): setting it per call to the call's
+//! own size raced with another thread's launch of a larger size between the set and the launch.
+template <bool Staged> void allow_ortho_smem(int device, int64_t limit) {
+  static std::array<std::once_flag, 64> done;
+  const auto set = [limit] {
+    GRADCOMP_CUDA_CHECK(cudaFuncSetAttribute(&lowrank_ortho_kernel<Staged>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
+  };
+  if (device >= 0 && device < 64)
+    std::call_once(done[size_t(device)], set);  // a throw leaves the flag unset: the next call retries
+  else
+    set();
+}
+
+template <bool Staged> void launch_ortho(const OrthoArgs& a, int64_t smem, int64_t limit, int device, cudaStream_t s) {
   const auto kernel = &lowrank_ortho_kernel<Staged>;
-  if (smem > 48 * 1024)
-    GRADCOMP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  if (smem > 48 * 1024) allow_ortho_smem<Staged>(device, limit);
   const auto grid = unsigned(gcuda::plan::min64(a.count, int64_t(1) << 30));
   kernel<<<grid, kOrthoThreads, size_t(smem), s>>>(a);
   GRADCOMP_CUDA_CHECK_LAUNCH("lowrank_ortho_kernel");
@@ -486,9 +529,9 @@ void cuda_orthogonalize(const Tensor& x, int64_t count, int64_t rows, int64_t ra
   const int64_t limit = gcuda::plan::min64(kOrthoSmemBytes, int64_t(optin) - 4096);  // static: 2.2 KB
   const int64_t staged = coeff + rows * a.lds * 4;
   if (rows <= limit / 4 && staged <= limit)
-    launch_ortho<true>(a, staged, s);
+    launch_ortho<true>(a, staged, limit, device, s);
   else if (coeff <= limit)
-    launch_ortho<false>(a, coeff, s);
+    launch_ortho<false>(a, coeff, limit, device, s);
   else
     throw Unsupported(concat("lowrank::orthogonalize: rank ", rank, " needs ", coeff, " bytes of shared memory on ",
                              to_string(x.device), ", which offers ", limit));

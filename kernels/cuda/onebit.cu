@@ -220,23 +220,30 @@ void encode(const OnebitPlan& p, const EncodeArgs& args) {
   const bool one = p.tiles == 1;
   common::dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
+    // each launch checked on its own, so an error names the kernel that caused it
     if (args.residual) {
       if (one) {
         tile_kernel<In, true, true><<<grid_units, kThreads, 0, s>>>(a);
+        GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
       } else {
         tile_kernel<In, true, false><<<grid_units, kThreads, 0, s>>>(a);
+        GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
         scale_kernel<false><<<grid_chunks, kThreads, 0, s>>>(a);
+        GRADCOMP_CUDA_CHECK_LAUNCH("onebit scale_kernel");
         residual_kernel<In><<<grid_elems, kThreads, 0, s>>>(a);
+        GRADCOMP_CUDA_CHECK_LAUNCH("onebit residual_kernel");
       }
     } else {
       if (one) {
         tile_kernel<In, false, true><<<grid_units, kThreads, 0, s>>>(a);
+        GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
       } else {
         tile_kernel<In, false, false><<<grid_units, kThreads, 0, s>>>(a);
+        GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
         scale_kernel<true><<<grid_chunks, kThreads, 0, s>>>(a);
+        GRADCOMP_CUDA_CHECK_LAUNCH("onebit scale_kernel");
       }
     }
-    GRADCOMP_CUDA_CHECK_LAUNCH("onebit encode");
   }, "onebit: input");
 }
 

@@ -842,12 +842,31 @@ TEST(CudaFp8Convert, HardwareConvertMatchesTheCommonRounding) {
   }
 }
 
+// Mismatches collected over a whole sweep instead of stopping at the first (ASSERT in a loop): the
+// test fails once at the end with the count and the first 20, each naming its spec, dtype, n,
+// variant and the first differing byte or element, so one GPU run shows every failing combination.
+struct Failures {
+  int64_t count = 0;
+  std::vector<std::string> first;
+  //! `diff`: -1 when equal, else the first differing position (or a status word).
+  void check(int64_t diff, const std::string& what) {
+    if (diff < 0) return;
+    if (++count <= 20) first.push_back(what + " " + std::to_string(diff));
+  }
+  void report() const {
+    std::string msg;
+    for (const auto& f : first) msg += "\n  " + f;
+    EXPECT_EQ(count, 0) << count << " mismatches; the first " << first.size() << ":" << msg;
+  }
+};
+
 // Block quantizers: CUDA packets, residuals and decoded values byte-for-byte equal to the CPU
 // backend's (whose semantics tests/cpp/test_quant.cpp and tests/python/test_quant.py check against
 // independent references), for every example spec, input dtype, divisor, sizes around the tile and
 // block boundaries, edge values, aligned and misaligned inputs.
 TEST(CudaBlockQ, PacketsAndResidualsEqualTheCpu) {
   REQUIRE_GPU();
+  Failures fails;
   uint32_t seed = 51000;
   std::vector<std::string> specs;
   for (const auto& info : gradcomp::list_codecs())
@@ -865,22 +884,27 @@ TEST(CudaBlockQ, PacketsAndResidualsEqualTheCpu) {
           const auto x = to_dtype(make_values(n, variant == 2 ? Kind::edges : Kind::normal, seed++), t);
           std::vector<float> r(static_cast<size_t>(n), 0.03125f);
           const float div = variant == 1 ? 3.0f : 1.0f;
-          const auto cpu = encode_cpu(*c, x, t, n, &r, div);
-          const auto gpu = encode_gpu(*c, x, t, n, &r, div, variant == 1 ? 1 : 0);
-          ASSERT_EQ(first_diff(gpu.packet, cpu.packet), -1);
-          ASSERT_EQ(first_diff_f(gpu.residual, cpu.residual), -1);
-          for (DType out_t : kDtypes) {
-            const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
-            uint32_t s_cpu = 0, s_gpu = 0;
-            const auto a = decode_cpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
-            const auto b = decode_gpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
-            ASSERT_EQ(first_diff(a, b), -1);
-            ASSERT_EQ(s_cpu, s_gpu);
+          for (bool with_r : {false, true}) {  // encode without a residual too (the no-EF path)
+            const std::string where = spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " +
+                                      std::to_string(variant) + (with_r ? " residual" : " no residual");
+            const auto cpu = encode_cpu(*c, x, t, n, with_r ? &r : nullptr, div);
+            const auto gpu = encode_gpu(*c, x, t, n, with_r ? &r : nullptr, div, variant == 1 ? 1 : 0);
+            fails.check(first_diff(gpu.packet, cpu.packet), where + ": packet byte");
+            if (with_r) fails.check(first_diff_f(gpu.residual, cpu.residual), where + ": residual element");
+            for (DType out_t : kDtypes) {
+              const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
+              uint32_t s_cpu = 0, s_gpu = 0;
+              const auto a = decode_cpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
+              const auto b = decode_gpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
+              fails.check(first_diff(a, b), where + ": decode to " + dn(out_t) + " byte");
+              fails.check(s_cpu == s_gpu ? -1 : int64_t(s_gpu), where + ": decode status");
+            }
           }
         }
       }
     }
   }
+  fails.report();
 }
 
 TEST(CudaBlockQ, CorruptHeaderWritesNothing) {
@@ -909,6 +933,7 @@ TEST(CudaBlockQ, CorruptHeaderWritesNothing) {
 // reduce tiles and chunk=0 on 2^20 elements (three kernels), every dtype, divisors 1 and 3, edges.
 TEST(CudaOnebit, PacketsAndResidualsEqualTheCpu) {
   REQUIRE_GPU();
+  Failures fails;
   uint32_t seed = 61000;
   std::vector<std::string> specs;
   for (const auto& info : gradcomp::list_codecs())
@@ -926,23 +951,26 @@ TEST(CudaOnebit, PacketsAndResidualsEqualTheCpu) {
           std::vector<float> r(static_cast<size_t>(n), 0.03125f);
           const float div = variant == 1 ? 3.0f : 1.0f;
           for (bool with_r : {false, true}) {
+            const std::string where = spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " +
+                                      std::to_string(variant) + (with_r ? " residual" : " no residual");
             const auto cpu = encode_cpu(*c, x, t, n, with_r ? &r : nullptr, div);
             const auto gpu = encode_gpu(*c, x, t, n, with_r ? &r : nullptr, div, variant == 1 ? 1 : 0);
-            ASSERT_EQ(first_diff(gpu.packet, cpu.packet), -1);
-            if (with_r) ASSERT_EQ(first_diff_f(gpu.residual, cpu.residual), -1);
+            fails.check(first_diff(gpu.packet, cpu.packet), where + ": packet byte");
+            if (with_r) fails.check(first_diff_f(gpu.residual, cpu.residual), where + ": residual element");
             for (DType out_t : kDtypes) {
               const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
               uint32_t s_cpu = 0, s_gpu = 0;
               const auto a = decode_cpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
               const auto b = decode_gpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
-              ASSERT_EQ(first_diff(a, b), -1);
-              ASSERT_EQ(s_cpu, s_gpu);
+              fails.check(first_diff(a, b), where + ": decode to " + dn(out_t) + " byte");
+              fails.check(s_cpu == s_gpu ? -1 : int64_t(s_gpu), where + ": decode status");
             }
           }
         }
       }
     }
   }
+  fails.report();
 }
 
 // The header's non-finite flag (byte 11, bit 0) with one NaN in 2^20 elements, with and without a

@@ -250,9 +250,9 @@ def method_optimizer(cfg: dict, ddp, world: int):
     """The optimizer of a :data:`METHOD_OPTIMIZERS` run, its DDP hook registered.
 
     - ``dgc``: :class:`gradcomp.optim.DGC` with ``momentum``, the density of the codec
-      ``topk:ratio=d`` (``cfg["codec"]``), ``cfg["dgc_warmup"]`` (``[(step, density)]``) and local
-      clipping at ``clip`` (the run's clip threshold, applied as DGC prescribes: clip / sqrt(W) per
-      rank);
+      ``topk:ratio=d`` (``cfg["codec"]``), ``cfg["dgc_warmup"]`` (``[(step, density)]``), Nesterov
+      when ``cfg["nesterov"]`` and local clipping at ``clip`` (the run's clip threshold, or
+      ``cfg["dgc_clip"]`` when given; 0: none; applied as DGC prescribes: clip / sqrt(W) per rank);
     - ``compressed_adam``: :class:`gradcomp.optim.CompressedAdam` with the codec, betas
       (``momentum``, 0.999), ``freeze_step`` = ``cfg["freeze_step"]`` and error feedback
       ``cfg["error_feedback"]``; the loop's clipping at ``clip`` then acts on the averaged

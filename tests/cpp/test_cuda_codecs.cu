@@ -321,11 +321,30 @@ std::vector<uint8_t> decode_gpu(const Codec& c, const std::vector<uint8_t>& pack
   return all;
 }
 
+// Mismatches collected over a whole sweep instead of stopping at the first (ASSERT in a loop): the
+// test fails once at the end with the count and the first 20, each naming its spec, dtype, n,
+// variant and the first differing byte or element, so one GPU run shows every failing combination.
+struct Failures {
+  int64_t count = 0;
+  std::vector<std::string> first;
+  //! `diff`: -1 when equal, else the first differing position (or a status word).
+  void check(int64_t diff, const std::string& what) {
+    if (diff < 0) return;
+    if (++count <= 20) first.push_back(what + " " + std::to_string(diff));
+  }
+  void report() const {
+    std::string msg;
+    for (const auto& f : first) msg += "\n  " + f;
+    EXPECT_EQ(count, 0) << count << " mismatches; the first " << first.size() << ":" << msg;
+  }
+};
+
 // ==========================================================================================================
 // Casts
 // ==========================================================================================================
 TEST(CudaCast, MatchesCpuAndReference) {
   REQUIRE_GPU();
+  Failures fails;
   const int64_t sizes[] = {0, 1, 7, 8, 9, 15, 16, 17, 255, 257, 2047, 2048, 2049, 4095, 4097, 65535, 65537, (1 << 20) + 3};
   const char* specs[] = {"none", "fp16", "bf16"};
   uint32_t seed = 1;
@@ -342,24 +361,27 @@ TEST(CudaCast, MatchesCpuAndReference) {
           for (int variant = 0; variant < 4; ++variant) {
             const bool with_r = variant & 1;
             const float div = (variant & 2) ? 3.0f : 1.0f;
-            SCOPED_TRACE(std::string(spec) + " " + dn(t) + " n=" + std::to_string(n) + " " + kind_name(kind) +
-                         (with_r ? " residual" : "") + " div=" + std::to_string(div));
+            const std::string where = std::string(spec) + " " + dn(t) + " n=" + std::to_string(n) + " " +
+                                      kind_name(kind) + (with_r ? " residual" : "") + " div=" + std::to_string(div) +
+                                      " variant " + std::to_string(variant);
             const auto ref = cast_reference(*c, wire, x, t, n, with_r ? &r : nullptr, div);
             const auto cpu = encode_cpu(*c, x, t, n, with_r ? &r : nullptr, div);
             const auto gpu = encode_gpu(*c, x, t, n, with_r ? &r : nullptr, div, variant == 3 ? 1 : 0);
-            ASSERT_EQ(first_diff(cpu.packet, ref.packet), -1) << "CPU packet differs from the reference";
-            ASSERT_EQ(first_diff(gpu.packet, ref.packet), -1) << "GPU packet differs from the reference";
-            ASSERT_EQ(first_diff_f(gpu.residual, ref.residual), -1) << "GPU residual differs";
-            ASSERT_EQ(first_diff_f(cpu.residual, gpu.residual), -1);
+            fails.check(first_diff(cpu.packet, ref.packet), where + ": CPU packet vs the reference, byte");
+            fails.check(first_diff(gpu.packet, ref.packet), where + ": GPU packet vs the reference, byte");
+            fails.check(first_diff_f(gpu.residual, ref.residual), where + ": GPU residual vs the reference, element");
+            fails.check(first_diff_f(cpu.residual, gpu.residual), where + ": CPU vs GPU residual, element");
           }
         }
       }
     }
   }
+  fails.report();
 }
 
 TEST(CudaCast, DecodeMatchesCpu) {
   REQUIRE_GPU();
+  Failures fails;
   uint32_t seed = 100;
   for (const char* spec : {"none", "fp16", "bf16"}) {
     auto c = Codec::create(spec);
@@ -375,11 +397,14 @@ TEST(CudaCast, DecodeMatchesCpu) {
                 SCOPED_TRACE(std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" + std::to_string(n) +
                              " " + kind_name(kind) + " alpha=" + std::to_string(alpha) +
                              (mode == DecodeMode::accumulate ? " acc" : " assign"));
+                const std::string where = std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" +
+                                          std::to_string(n) + " " + kind_name(kind) + " alpha=" +
+                                          std::to_string(alpha) + (mode == DecodeMode::accumulate ? " acc" : " assign");
                 uint32_t s_cpu = 0, s_gpu = 0;
                 const auto a = decode_cpu(*c, packet, out_t, n, init, mode, alpha, &s_cpu);
                 const auto b = decode_gpu(*c, packet, out_t, n, init, mode, alpha, &s_gpu);
-                ASSERT_EQ(first_diff(a, b), -1);
-                ASSERT_EQ(s_cpu, s_gpu);
+                fails.check(first_diff(a, b), where + ": decoded byte");
+                fails.check(s_cpu == s_gpu ? -1 : int64_t(s_gpu), where + ": status");
                 // independent check of a few elements
                 if (n > 0 && !(packet[11] & 1) && mode == DecodeMode::assign) {
                   const DType wire = static_cast<DType>(packet[9]);
@@ -397,6 +422,7 @@ TEST(CudaCast, DecodeMatchesCpu) {
       }
     }
   }
+  fails.report();
 }
 
 // The casts carry every non-finite value in the payload (no sentinel): the decoded bucket holds them
@@ -841,24 +867,6 @@ TEST(CudaFp8Convert, HardwareConvertMatchesTheCommonRounding) {
     }
   }
 }
-
-// Mismatches collected over a whole sweep instead of stopping at the first (ASSERT in a loop): the
-// test fails once at the end with the count and the first 20, each naming its spec, dtype, n,
-// variant and the first differing byte or element, so one GPU run shows every failing combination.
-struct Failures {
-  int64_t count = 0;
-  std::vector<std::string> first;
-  //! `diff`: -1 when equal, else the first differing position (or a status word).
-  void check(int64_t diff, const std::string& what) {
-    if (diff < 0) return;
-    if (++count <= 20) first.push_back(what + " " + std::to_string(diff));
-  }
-  void report() const {
-    std::string msg;
-    for (const auto& f : first) msg += "\n  " + f;
-    EXPECT_EQ(count, 0) << count << " mismatches; the first " << first.size() << ":" << msg;
-  }
-};
 
 // Block quantizers: CUDA packets, residuals and decoded values byte-for-byte equal to the CPU
 // backend's (whose semantics tests/cpp/test_quant.cpp and tests/python/test_quant.py check against

@@ -113,6 +113,7 @@ using gradcomp::detail::concat;
 //! PyTorch's handle pool does.
 struct DeviceExtra {
   int device = 0;
+  int64_t workspace_bytes = 0;  //!< per stream: cublas_workspace_bytes(device), set with the handle
   std::unordered_map<cudaStream_t, void*> workspaces;
 };
 
@@ -152,7 +153,7 @@ cublasHandle_t device_handle(Resources::Impl& res, int device) {
   res.release = &release_device;
   Resources::Impl::DeviceState& d = res.devices[size_t(device)];
   if (d.handle != nullptr) return static_cast<cublasHandle_t>(d.handle);
-  if (d.extra == nullptr) d.extra = new DeviceExtra{device, {}};
+  if (d.extra == nullptr) d.extra = new DeviceExtra{device, cublas_workspace_bytes(device), {}};
   static std::once_flag hook;
   std::call_once(hook, [] { std::atexit(&mark_exiting); });
   cublasHandle_t h = nullptr;
@@ -197,15 +198,14 @@ void gemms(const MatrixBatch& m, const float* in, float* out, int64_t rank, bool
   const cudaStream_t cs = to_cuda(stream);
   GRADCOMP_CUBLAS_CHECK(cublasSetStream(h, cs));
   {  // this stream's own workspace (DeviceExtra), allocated on its first GEMM
-    auto& wss = static_cast<DeviceExtra*>(res.devices[size_t(device)].extra)->workspaces;
-    const int64_t bytes = cublas_workspace_bytes(device);
-    auto it = wss.find(cs);
-    if (it == wss.end()) {
+    auto* extra = static_cast<DeviceExtra*>(res.devices[size_t(device)].extra);
+    auto it = extra->workspaces.find(cs);
+    if (it == extra->workspaces.end()) {
       void* ws = nullptr;
-      GRADCOMP_CUDA_CHECK(cudaMalloc(&ws, size_t(bytes)));
-      it = wss.emplace(cs, ws).first;
+      GRADCOMP_CUDA_CHECK(cudaMalloc(&ws, size_t(extra->workspace_bytes)));
+      it = extra->workspaces.emplace(cs, ws).first;
     }
-    GRADCOMP_CUBLAS_CHECK(cublasSetWorkspace(h, it->second, size_t(bytes)));
+    GRADCOMP_CUBLAS_CHECK(cublasSetWorkspace(h, it->second, size_t(extra->workspace_bytes)));
   }
   for_each_run(m.offsets, m.count, [&](const Run& r) {
     const float* M = base + m.offsets[r.b0];

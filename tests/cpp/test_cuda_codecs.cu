@@ -868,6 +868,33 @@ TEST(CudaFp8Convert, HardwareConvertMatchesTheCommonRounding) {
   }
 }
 
+// One input through encode and decode on both backends, added to `fails`: with and without a
+// residual (0.03125 everywhere; the no-EF path too), divisor 3 for variant 1 (which also encodes at
+// a misaligned offset on the GPU), else 1; the packets, the residuals, and the CPU packet decoded
+// (accumulate, alpha 0.5) into every dtype on both, with the status word. The blockq and onebit
+// sweeps call it.
+void encode_decode_vs_cpu(Failures& fails, const Codec& c, const std::string& spec, const std::vector<uint8_t>& x,
+                          DType t, int64_t n, int variant, uint32_t& seed) {
+  std::vector<float> r(static_cast<size_t>(n), 0.03125f);
+  const float div = variant == 1 ? 3.0f : 1.0f;
+  for (bool with_r : {false, true}) {
+    const std::string where = spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " + std::to_string(variant) +
+                              (with_r ? " residual" : " no residual");
+    const auto cpu = encode_cpu(c, x, t, n, with_r ? &r : nullptr, div);
+    const auto gpu = encode_gpu(c, x, t, n, with_r ? &r : nullptr, div, variant == 1 ? 1 : 0);
+    fails.check(first_diff(gpu.packet, cpu.packet), where + ": packet byte");
+    if (with_r) fails.check(first_diff_f(gpu.residual, cpu.residual), where + ": residual element");
+    for (DType out_t : kDtypes) {
+      const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
+      uint32_t s_cpu = 0, s_gpu = 0;
+      const auto a = decode_cpu(c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
+      const auto b = decode_gpu(c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
+      fails.check(first_diff(a, b), where + ": decode to " + dn(out_t) + " byte");
+      fails.check(s_cpu == s_gpu ? -1 : int64_t(s_gpu), where + ": decode status");
+    }
+  }
+}
+
 // Block quantizers: CUDA packets, residuals and decoded values byte-for-byte equal to the CPU
 // backend's (whose semantics tests/cpp/test_quant.cpp and tests/python/test_quant.py check against
 // independent references), for every example spec, input dtype, divisor, sizes around the tile and
@@ -890,24 +917,7 @@ TEST(CudaBlockQ, PacketsAndResidualsEqualTheCpu) {
         for (int variant = 0; variant < 3; ++variant) {
           SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " + std::to_string(variant));
           const auto x = to_dtype(make_values(n, variant == 2 ? Kind::edges : Kind::normal, seed++), t);
-          std::vector<float> r(static_cast<size_t>(n), 0.03125f);
-          const float div = variant == 1 ? 3.0f : 1.0f;
-          for (bool with_r : {false, true}) {  // encode without a residual too (the no-EF path)
-            const std::string where = spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " +
-                                      std::to_string(variant) + (with_r ? " residual" : " no residual");
-            const auto cpu = encode_cpu(*c, x, t, n, with_r ? &r : nullptr, div);
-            const auto gpu = encode_gpu(*c, x, t, n, with_r ? &r : nullptr, div, variant == 1 ? 1 : 0);
-            fails.check(first_diff(gpu.packet, cpu.packet), where + ": packet byte");
-            if (with_r) fails.check(first_diff_f(gpu.residual, cpu.residual), where + ": residual element");
-            for (DType out_t : kDtypes) {
-              const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
-              uint32_t s_cpu = 0, s_gpu = 0;
-              const auto a = decode_cpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
-              const auto b = decode_gpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
-              fails.check(first_diff(a, b), where + ": decode to " + dn(out_t) + " byte");
-              fails.check(s_cpu == s_gpu ? -1 : int64_t(s_gpu), where + ": decode status");
-            }
-          }
+          encode_decode_vs_cpu(fails, *c, spec, x, t, n, variant, seed);
         }
       }
     }
@@ -956,24 +966,7 @@ TEST(CudaOnebit, PacketsAndResidualsEqualTheCpu) {
         for (int variant = 0; variant < 3; ++variant) {
           SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " + std::to_string(variant));
           const auto x = to_dtype(make_values(n, variant == 2 ? Kind::edges : Kind::normal, seed++), t);
-          std::vector<float> r(static_cast<size_t>(n), 0.03125f);
-          const float div = variant == 1 ? 3.0f : 1.0f;
-          for (bool with_r : {false, true}) {
-            const std::string where = spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " +
-                                      std::to_string(variant) + (with_r ? " residual" : " no residual");
-            const auto cpu = encode_cpu(*c, x, t, n, with_r ? &r : nullptr, div);
-            const auto gpu = encode_gpu(*c, x, t, n, with_r ? &r : nullptr, div, variant == 1 ? 1 : 0);
-            fails.check(first_diff(gpu.packet, cpu.packet), where + ": packet byte");
-            if (with_r) fails.check(first_diff_f(gpu.residual, cpu.residual), where + ": residual element");
-            for (DType out_t : kDtypes) {
-              const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
-              uint32_t s_cpu = 0, s_gpu = 0;
-              const auto a = decode_cpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_cpu);
-              const auto b = decode_gpu(*c, cpu.packet, out_t, n, init, DecodeMode::accumulate, 0.5f, &s_gpu);
-              fails.check(first_diff(a, b), where + ": decode to " + dn(out_t) + " byte");
-              fails.check(s_cpu == s_gpu ? -1 : int64_t(s_gpu), where + ": decode status");
-            }
-          }
+          encode_decode_vs_cpu(fails, *c, spec, x, t, n, variant, seed);
         }
       }
     }

@@ -472,6 +472,24 @@ LOWRANK_TEST(ProjectBackProjectOffsets) {
   run_gemms(s, packed(40, mat, 1, 3), 5);
 }
 
+//! P = project(m, q) on four threads at once, each on a stream of its own, all through `res`, each
+//! `iters` times into its own P; returns each thread's final P (downloaded after its stream synced).
+std::vector<std::vector<float>> project_on_four_streams(const lr::MatrixBatch& m, const Tensor& q, int64_t rank,
+                                                        lr::Resources& res, int iters) {
+  std::vector<std::vector<float>> results(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      Dev<float> dP(m.count * m.rows * rank);
+      StreamGuard sg;
+      for (int it = 0; it < iters; ++it) lr::project(m, q, dP.t(DType::float32), rank, sg.stream(), res);
+      sg.sync();
+      results[size_t(t)] = dP.get();
+    });
+  for (auto& th : threads) th.join();
+  return results;
+}
+
 LOWRANK_TEST(ResourcesOwnedAndThreads) {
   const Shape s{50, 40, 4};
   const int64_t mat = s.rows * s.cols, count = 5;
@@ -491,18 +509,8 @@ LOWRANK_TEST(ResourcesOwnedAndThreads) {
   // Four threads, one Resources, four streams: every result right.
   lr::Resources res;
   Dev<float> dM(M), dQ(Q);
-  std::vector<std::vector<float>> results(4);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t)
-    threads.emplace_back([&, t] {
-      Dev<float> dP(count * s.rows * s.rank);
-      StreamGuard sg;
-      lr::MatrixBatch m{dM.t(DType::float32), off.data(), count, s.rows, s.cols};
-      for (int it = 0; it < 20; ++it) lr::project(m, dQ.t(DType::float32), dP.t(DType::float32), s.rank, sg.stream(), res);
-      sg.sync();
-      results[size_t(t)] = dP.get();
-    });
-  for (auto& th : threads) th.join();
+  const lr::MatrixBatch m{dM.t(DType::float32), off.data(), count, s.rows, s.cols};
+  const auto results = project_on_four_streams(m, dQ.t(DType::float32), s.rank, res, 20);
   for (int t = 0; t < 4; ++t) expect_gemm(M, off, s, Q, results[size_t(t)], false, "project (thread " + std::to_string(t) + ")");
 }
 
@@ -528,17 +536,7 @@ LOWRANK_TEST(ConcurrentStreamsSameBits) {
     sg.sync();
     alone = dP.get();
   }
-  std::vector<std::vector<float>> results(4);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t)
-    threads.emplace_back([&, t] {
-      Dev<float> dP(count * s.rows * s.rank);
-      StreamGuard sg;
-      for (int it = 0; it < 5; ++it) lr::project(m, dQ.t(DType::float32), dP.t(DType::float32), s.rank, sg.stream(), res);
-      sg.sync();
-      results[size_t(t)] = dP.get();
-    });
-  for (auto& th : threads) th.join();
+  const auto results = project_on_four_streams(m, dQ.t(DType::float32), s.rank, res, 5);
   for (int t = 0; t < 4; ++t) {
     ASSERT_EQ(results[size_t(t)].size(), alone.size());
     EXPECT_EQ(std::memcmp(results[size_t(t)].data(), alone.data(), alone.size() * sizeof(float)), 0) << "stream " << t;

@@ -1,16 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
-// Google Benchmark of the CUDA codecs (none / fp16 / bf16 encode and decode; the block quantizers
-// fp8 e4m3 / e5m2 / e8m0, int8, int4 and onebit encode of float32 and bfloat16 with and without error
-// feedback and decode into float32 / bfloat16, at 2^26; top-k encode), timed
-// with CUDA events (manual time). Every benchmark reports GB/s of the bytes it must move and, as
-// the floor to compare with, the device-to-device copy bandwidth measured in the same run
-// (cudaMemcpyAsync D2D of the same number of input bytes, counted read + write).
+// Google Benchmark of the CUDA codecs (none / fp16 / bf16 encode and decode at 2^20, 2^26 and 2^28;
+// the block quantizers fp8 e4m3 / e5m2 / e8m0, int8, int4 and onebit -- the defaults and the slow
+// paths fp8:block=0, int8:block=2048, onebit:chunk=4096 -- encode of float32 and bfloat16 with and
+// without error feedback and decode into float32 / bfloat16, at 2^26 and 2^28; top-k encode at
+// ratios 0.01 and 0.1), timed with CUDA events (manual time). Every benchmark reports the
+// compulsory bytes of one call (`bytes`: inputs read once, outputs written once), GB/s of them and,
+// as the floor to compare with, the device-to-device copy bandwidth measured in the same run
+// (cudaMemcpyAsync D2D of the same number of input bytes, counted read + write). The bytes the
+// kernels actually move come from Nsight Compute: tests/gpu/run.py runs a few rows under
+// `ncu --profile-from-start off` with GRADCOMP_BENCH_PROFILE=1 (only the timed calls are profiled)
+// and GRADCOMP_BENCH_ITERATIONS=1, and sets DRAM bytes read + written beside `bytes`.
 // Without a GPU the program prints a message and exits 0.
 #include <benchmark/benchmark.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cuda_profiler_api.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -59,14 +67,26 @@ __global__ void to_half_kernel(const float* x, uint16_t* y, int64_t n, bool bf16
     y[i] = bf16 ? uint16_t(__float_as_uint(x[i]) >> 16) : __half_as_ushort(__float2half_rn(x[i]));
 }
 
+//! Timed iterations per benchmark: `dflt`, or GRADCOMP_BENCH_ITERATIONS (tests/gpu/run.py sets 1
+//! under Nsight Compute).
+int iterations(int dflt) {
+  const char* v = std::getenv("GRADCOMP_BENCH_ITERATIONS");
+  return v && std::atoi(v) > 0 ? std::atoi(v) : dflt;
+}
+//! GRADCOMP_BENCH_PROFILE=1: only the timed calls run inside cudaProfilerStart / Stop, so that
+//! `ncu --profile-from-start off` measures the DRAM bytes the codec itself moves (tests/gpu/run.py).
+const bool kProfile = std::getenv("GRADCOMP_BENCH_PROFILE") && std::getenv("GRADCOMP_BENCH_PROFILE")[0] == '1';
+
 //! Time `f` (which enqueues work on `s`) with events; returns milliseconds.
 template <class F> float time_ms(cudaStream_t s, F&& f) {
   cudaEvent_t a, b;
   BCK(cudaEventCreate(&a));
   BCK(cudaEventCreate(&b));
+  if (kProfile) BCK(cudaProfilerStart());
   BCK(cudaEventRecord(a, s));
   f();
   BCK(cudaEventRecord(b, s));
+  if (kProfile) BCK(cudaProfilerStop());
   BCK(cudaEventSynchronize(b));
   float ms = 0;
   BCK(cudaEventElapsedTime(&ms, a, b));
@@ -84,8 +104,20 @@ double copy_gbps(size_t bytes) {
   BCK(cudaStreamCreate(&s));
   BCK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); // warm-up
   float best = 1e30f;
-  for (int i = 0; i < 10; ++i)
-    best = std::min(best, time_ms(s, [&] { BCK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); }));
+  for (int i = 0; i < 10; ++i) {
+    cudaEvent_t e0, e1;
+    BCK(cudaEventCreate(&e0));
+    BCK(cudaEventCreate(&e1));
+    BCK(cudaEventRecord(e0, s));
+    BCK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s));
+    BCK(cudaEventRecord(e1, s));
+    BCK(cudaEventSynchronize(e1));
+    float ms = 0;
+    BCK(cudaEventElapsedTime(&ms, e0, e1));
+    best = std::min(best, ms);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  }
   cudaStreamDestroy(s);
   return cache[bytes] = 2.0 * double(bytes) / (double(best) * 1e-3) / 1e9;
 }
@@ -94,6 +126,7 @@ void report(benchmark::State& st, double bytes_per_iter, double total_ms, size_t
   const double gbps = bytes_per_iter * double(st.iterations()) / (total_ms * 1e-3) / 1e9;
   const double floor = copy_gbps(copy_bytes);
   st.counters["GB/s"] = gbps;
+  st.counters["bytes"] = bytes_per_iter;  // the compulsory bytes of one call (what GB/s counts)
   st.counters["copy_GB/s"] = floor;
   st.counters["of_copy"] = gbps / floor;
 }
@@ -168,11 +201,13 @@ void BM_CastDecode(benchmark::State& st) {
   cudaStreamDestroy(s);
 }
 
-// ---- top-k encode (ratio 1%, with error feedback) ----------------------------------------------------------
+// ---- top-k encode (ratio 1% or 10%, with error feedback) ------------------------------------------------
+// args: n, dtype (0 float32, 1 bfloat16), ratio (0: 0.01, 1: 0.1 -- the experiment's largest, which
+// must stay on the candidate path)
 void BM_TopKEncode(benchmark::State& st) {
   const int64_t n = st.range(0);
   const DType t = st.range(1) == 0 ? DType::float32 : DType::bfloat16;
-  auto c = Codec::create("topk:ratio=0.01");
+  auto c = Codec::create(st.range(2) == 0 ? "topk:ratio=0.01" : "topk:ratio=0.1");
   st.SetLabel(std::string(c->spec()) + " " + std::string(gradcomp::dtype_name(t)) + " + residual, k=" +
               std::to_string(c->main_param(n)));
   const int64_t pb = c->packet_bytes(n, t), wb = c->workspace_bytes(n, t, kGpu);
@@ -199,7 +234,11 @@ void BM_TopKEncode(benchmark::State& st) {
 }
 
 // ---- block quantizers: encode (float32 / bfloat16 in, with and without error feedback), decode ----------
-const char* const kQuantSpecs[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit"};
+// the defaults, then the slow paths a review named: the two-pass block quantizer (block = 0: one
+// scale for the tensor; block > 1024) and onebit with chunks of one 4096-element tile (the default
+// onebit, chunk = 0, is the whole tensor: x and the residual read twice)
+const char* const kQuantSpecs[] = {"fp8:format=e4m3", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4", "onebit",
+                                   "fp8:block=0", "int8:block=2048", "onebit:chunk=4096"};
 constexpr int kQuantCount = int(sizeof(kQuantSpecs) / sizeof(kQuantSpecs[0]));
 
 // args: n, codec, input dtype (0 float32, 1 bfloat16), residual (0/1)
@@ -263,34 +302,38 @@ void BM_QuantDecode(benchmark::State& st) {
 }
 
 void QuantEncodeArgs(benchmark::internal::Benchmark* b) {
-  for (int c = 0; c < kQuantCount; ++c)
-    for (int d : {0, 1})
-      for (int r : {0, 1}) b->Args({int64_t(1) << 26, c, d, r});
+  for (int64_t n : {int64_t(1) << 26, int64_t(1) << 28})
+    for (int c = 0; c < kQuantCount; ++c)
+      for (int d : {0, 1})
+        for (int r : {0, 1}) b->Args({n, c, d, r});
   b->Args({int64_t(1) << 20, 0, 0, 1});
 }
 void QuantDecodeArgs(benchmark::internal::Benchmark* b) {
-  for (int c = 0; c < kQuantCount; ++c)
-    for (int d : {0, 1}) b->Args({int64_t(1) << 26, c, d});
+  for (int64_t n : {int64_t(1) << 26, int64_t(1) << 28})
+    for (int c = 0; c < kQuantCount; ++c)
+      for (int d : {0, 1}) b->Args({n, c, d});
 }
 
 void CastArgs(benchmark::internal::Benchmark* b) {
-  for (int64_t n : {int64_t(1) << 20, int64_t(1) << 26})
+  for (int64_t n : {int64_t(1) << 20, int64_t(1) << 26, int64_t(1) << 28})
     for (int spec = 0; spec < 3; ++spec) b->Args({n, spec});
 }
 
-BENCHMARK(BM_CopyD2D)->Arg(1 << 20)->Arg(1 << 26)->Arg(1 << 28)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_CastEncode)->Apply(CastArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_CastDecode)->Apply(CastArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_QuantEncode)->Apply(QuantEncodeArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_QuantDecode)->Apply(QuantDecodeArgs)->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CopyD2D)->Arg(1 << 20)->Arg(1 << 26)->Arg(1 << 28)->UseManualTime()->Iterations(iterations(20))->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CastEncode)->Apply(CastArgs)->UseManualTime()->Iterations(iterations(20))->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CastDecode)->Apply(CastArgs)->UseManualTime()->Iterations(iterations(20))->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_QuantEncode)->Apply(QuantEncodeArgs)->UseManualTime()->Iterations(iterations(20))->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_QuantDecode)->Apply(QuantDecodeArgs)->UseManualTime()->Iterations(iterations(20))->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_TopKEncode)
-    ->Args({1 << 16, 0})
-    ->Args({1 << 20, 0})
-    ->Args({1 << 24, 0})
-    ->Args({1 << 28, 0})
-    ->Args({1 << 28, 1})
+    ->Args({1 << 16, 0, 0})
+    ->Args({1 << 20, 0, 0})
+    ->Args({1 << 24, 0, 0})
+    ->Args({1 << 26, 0, 1})
+    ->Args({1 << 28, 0, 0})
+    ->Args({1 << 28, 1, 0})
+    ->Args({1 << 28, 0, 1})
     ->UseManualTime()
-    ->Iterations(10)
+    ->Iterations(iterations(10))
     ->Unit(benchmark::kMicrosecond);
 
 } // namespace

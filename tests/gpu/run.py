@@ -65,6 +65,39 @@ OUT_FILES = ("run.log", "summary.json", "bench.json", "bench.txt", "artifacts.ta
 # the suites whose tests run in their own stages (convert, huge), not in gtests
 HUGE_FILTER = "CudaHuge.*:CudaTopK.Huge*:CudaTopK.Index64*"
 SANITIZED = "CudaBlockQ.*:CudaOnebit.*:CudaLowrank.*"
+# bench_cuda rows measured under Nsight Compute (DRAM bytes actually moved against the compulsory
+# bytes): the block quantizers' one-pass and two-pass encodes, onebit whole-tensor and tiled,
+# two decodes, top-k at ratio 0.1 and a cast, all at 2^26 elements
+NCU_ROWS = {"fp8 f32+res encode": "BM_QuantEncode/67108864/0/0/1/",
+            "int8 bf16+res encode": "BM_QuantEncode/67108864/3/1/1/",
+            "int4 bf16+res encode": "BM_QuantEncode/67108864/4/1/1/",
+            "onebit (chunk 0) f32+res encode": "BM_QuantEncode/67108864/5/0/1/",
+            "onebit:chunk=4096 f32+res encode": "BM_QuantEncode/67108864/8/0/1/",
+            "fp8:block=0 f32+res encode": "BM_QuantEncode/67108864/6/0/1/",
+            "fp8 -> f32 decode": "BM_QuantDecode/67108864/0/0/",
+            "onebit -> f32 decode": "BM_QuantDecode/67108864/5/0/",
+            "topk:ratio=0.1 f32+res encode": "BM_TopKEncode/67108864/0/1/",
+            "bf16 f32+res encode": "BM_CastEncode/67108864/2/"}
+_UNIT = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "KB": 1024, "MB": 1024 ** 2,
+         "GB": 1024 ** 3}
+
+
+def ncu_dram_bytes(csv_text: str) -> float | None:
+    """DRAM bytes read + written over every kernel of an ``ncu --csv`` report (the rows whose
+    Metric Name is dram__bytes_read.sum / dram__bytes_write.sum); None when there is no such row."""
+    import csv
+    rows = list(csv.reader(line for line in csv_text.splitlines() if line.startswith('"')))
+    head = next((i for i, r in enumerate(rows) if "Metric Name" in r and "Metric Value" in r), None)
+    if head is None:
+        return None
+    h = rows[head]
+    name, unit, value = h.index("Metric Name"), h.index("Metric Unit"), h.index("Metric Value")
+    total, seen = 0.0, False
+    for r in rows[head + 1:]:
+        if len(r) > value and r[name] in ("dram__bytes_read.sum", "dram__bytes_write.sum"):
+            total += float(r[value].replace(",", "")) * _UNIT.get(r[unit], 1)
+            seen = True
+    return total if seen else None
 
 
 class Deadline(BaseException):
@@ -459,7 +492,7 @@ class Run:
         txt: list[str] = []
         bench = os.path.join(self.build, "bench", "bench_cuda")
         bjson = os.path.join(self.work, "bench_cuda.json")
-        share = (self.stage_end - time.monotonic()) * 0.5
+        share = (self.stage_end - time.monotonic()) * 0.4
         if self.a.dry_run or os.path.exists(bench):
             rc = self.sh([bench, f"--benchmark_out={bjson}", "--benchmark_out_format=json"], "bench_cuda", timeout=share)
             self.check_rc(rec, rc, "bench_cuda", "bench_cuda")
@@ -468,6 +501,7 @@ class Run:
                     results["bench_cuda"] = json.load(f)
             with open(os.path.join(self.work, "bench_cuda.log"), errors="replace") as f:
                 txt += ["# bench_cuda", *f.read().splitlines()]
+            txt += self.ncu_rows(rec, bench, results)
         else:
             self.fail(rec, "bench_cuda was not built")
         if self.need_python(rec):
@@ -485,6 +519,53 @@ class Run:
             json.dump(results, f, indent=1)
         with open(os.path.join(self.out, "bench.txt"), "w") as f:
             f.write("\n".join(txt) + "\n")
+
+    def ncu_rows(self, rec: dict, bench: str, results: dict) -> list[str]:
+        """NCU_ROWS under Nsight Compute, one process each (1 timed call, only it profiled): the DRAM
+        bytes it moved beside its compulsory bytes. ncu missing or refused (no counter permission):
+        reported as unavailable in the detail, not failed."""
+        ncu = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+        if not ncu and not self.a.dry_run:
+            rec["detail"] = "Nsight Compute (ncu) not found: the bytes actually moved are unavailable"
+            return ["", "# bytes moved: ncu not found (unavailable)"]
+        ncu = ncu or "ncu"
+        until = time.monotonic() + (self.stage_end - time.monotonic()) * 0.4
+        out, measured = ["", "# DRAM bytes per call (Nsight Compute) beside the compulsory bytes, 2^26 elements"], {}
+        for label, row in NCU_ROWS.items():
+            left = until - time.monotonic()
+            if left < 5:
+                out.append(f"{label:<34} not measured (time)")
+                continue
+            tag = re.sub(r"\W+", "_", label)
+            csv_path = os.path.join(self.work, f"ncu_{tag}.csv")
+            bj = os.path.join(self.work, f"ncu_{tag}.json")
+            rc = self.sh([ncu, "--profile-from-start", "off", "--metrics", "dram__bytes_read.sum,dram__bytes_write.sum",
+                          "--csv", "--log-file", csv_path, bench, f"--benchmark_filter=^{row}",
+                          f"--benchmark_out={bj}", "--benchmark_out_format=json"], "ncu", timeout=min(left, 40),
+                         env={"GRADCOMP_BENCH_PROFILE": "1", "GRADCOMP_BENCH_ITERATIONS": "1"})
+            moved = compulsory = None
+            if os.path.exists(csv_path):
+                with open(csv_path, errors="replace") as f:
+                    text = f.read()
+                moved = ncu_dram_bytes(text)
+                if moved is None and re.search(r"ERR_NVGPUCTRPERM|permission", text):
+                    rec["detail"] = "ncu refused (no GPU performance-counter permission): bytes moved unavailable"
+                    out.append(rec["detail"])
+                    break
+            if os.path.exists(bj):
+                with open(bj) as f:
+                    b = json.load(f).get("benchmarks", [])
+                compulsory = b[0].get("bytes") if b else None
+            if rc != 0 or moved is None or not compulsory:
+                out.append(f"{label:<34} not measured (ncu exit {rc})")
+                continue
+            measured[label] = {"dram_bytes": moved, "compulsory_bytes": compulsory, "ratio": moved / compulsory}
+            out.append(f"{label:<34} {moved / 1e6:10.1f} MB moved  {compulsory / 1e6:10.1f} MB compulsory  "
+                       f"{moved / compulsory:5.2f}x")
+        results["ncu_dram_bytes"] = measured
+        for line in out:
+            self.say("  " + line)
+        return out
 
     # --- summary and packaging ------------------------------------------------------------------
     def write_summary(self, final: bool, interrupted: str | None = None) -> dict:

@@ -127,3 +127,20 @@ def test_smoke_names_the_section_of_a_byte():
     b[7] = 1
     assert smoke._first_diff(a, b) == 7
     assert smoke._first_diff(torch.zeros(3), torch.zeros(4)) == 12
+
+
+def test_ncu_csv_sums_dram_bytes_with_units():
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    try:
+        import run
+    finally:
+        sys.path.pop(0)
+    head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+    rows = ['"0","k1","s","dram__bytes_read.sum","Mbyte","268.44"',
+            '"0","k1","s","dram__bytes_write.sum","Kbyte","1,024.50"',
+            '"0","k1","s","gpu__time_duration.sum","nsecond","5000"',
+            '"1","k2","s","dram__bytes_read.sum","byte","100"']
+    text = "\n".join(["==PROF== Connected to process 1", head, *rows, "==PROF== Disconnected"])
+    assert run.ncu_dram_bytes(text) == pytest.approx(268.44e6 + 1024.5e3 + 100, rel=1e-12)
+    assert run.ncu_dram_bytes("==ERROR== ERR_NVGPUCTRPERM") is None
+    assert run.ncu_dram_bytes("\n".join([head, rows[2]])) is None

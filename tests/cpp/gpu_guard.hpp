@@ -26,6 +26,17 @@ inline bool gpu_required() {
   return e != nullptr && std::string(e) == "1";
 }
 
+//! GRADCOMP_TEST_SMALL=1: the CUDA sweeps keep their small cases only (inputs of at most 70001
+//! elements, the smallest low rank matrices) and the huge-input tests skip, so that a run under
+//! compute-sanitizer (GRADCOMP_TEST_SMALL=1 compute-sanitizer --tool memcheck gradcomp_cuda_tests
+//! --gtest_filter='CudaBlockQ.*:CudaOnebit.*:CudaLowrank.*') finishes in about a minute.
+inline bool small_sizes() {
+  const char* e = std::getenv("GRADCOMP_TEST_SMALL");
+  return e != nullptr && std::string(e) == "1";
+}
+//! The largest input the sweeps keep under GRADCOMP_TEST_SMALL=1.
+inline constexpr int64_t kSmallMaxNumel = 70001;
+
 //! Index of the first differing byte, or -1 (sizes that differ: the shorter size).
 inline int64_t first_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
   if (a.size() != b.size()) return int64_t(std::min(a.size(), b.size()));

@@ -10,7 +10,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -205,6 +207,8 @@ Encoded encode_gpu(const Codec& c, const std::vector<uint8_t>& x, DType t, int64
 
 using gradcomp_test::first_diff;
 using gradcomp_test::first_diff_f;
+using gradcomp_test::kSmallMaxNumel;
+using gradcomp_test::small_sizes;
 
 gradcomp::PacketHeader make_ref_header(const Codec& c, int64_t n, DType in, DType wire, DType index, int64_t main) {
   gradcomp::PacketHeader h{};
@@ -394,9 +398,6 @@ TEST(CudaCast, DecodeMatchesCpu) {
             const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
             for (DecodeMode mode : {DecodeMode::assign, DecodeMode::accumulate}) {
               for (float alpha : {1.0f, 0.25f, -3.0f}) {
-                SCOPED_TRACE(std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" + std::to_string(n) +
-                             " " + kind_name(kind) + " alpha=" + std::to_string(alpha) +
-                             (mode == DecodeMode::accumulate ? " acc" : " assign"));
                 const std::string where = std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" +
                                           std::to_string(n) + " " + kind_name(kind) + " alpha=" +
                                           std::to_string(alpha) + (mode == DecodeMode::accumulate ? " acc" : " assign");
@@ -412,7 +413,8 @@ TEST(CudaCast, DecodeMatchesCpu) {
                   for (int64_t i = 0; i < n; i += std::max<int64_t>(1, n / 17)) {
                     std::vector<uint8_t> one(4);
                     const float expect = ref_store(one, out_t, 0, ref_load(pl, wire, i) * alpha);
-                    EXPECT_EQ(fbits(ref_load(b, out_t, i)), fbits(expect)) << "element " << i;
+                    fails.check(fbits(ref_load(b, out_t, i)) == fbits(expect) ? -1 : i,
+                                where + ": element vs the plain-loop reference");
                   }
                 }
               }
@@ -506,38 +508,43 @@ TEST(CudaCast, NonDefaultStream) {
 // ==========================================================================================================
 // Top-k
 // ==========================================================================================================
-void check_topk(const std::string& spec, DType t, int64_t n, Kind kind, uint32_t seed, bool with_r, float div,
-                int elem_offset = 0) {
+//! One top-k case on both backends against the stable_sort reference, added to `fails` (named by
+//! spec, dtype, n, k, input kind, residual, divisor and the GPU's element offset).
+void check_topk(Failures& fails, const std::string& spec, DType t, int64_t n, Kind kind, uint32_t seed, bool with_r,
+                float div, int elem_offset = 0) {
   auto c = Codec::create(spec);
   const auto x = to_dtype(make_values(n, kind, seed), t);
   std::vector<float> r = make_values(n, kind == Kind::edges ? Kind::edges : Kind::normal, seed + 1);
   if (kind == Kind::zeros || kind == Kind::constant || kind == Kind::ties)
     std::fill(r.begin(), r.end(), 0.0f); // keep the ties exact
   const std::vector<float>* rp = with_r ? &r : nullptr;
-  SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " k=" + std::to_string(c->main_param(n)) + " " +
-               kind_name(kind) + (with_r ? " residual" : "") + " div=" + std::to_string(div));
+  const std::string where = spec + " " + dn(t) + " n=" + std::to_string(n) + " k=" + std::to_string(c->main_param(n)) +
+                            " " + kind_name(kind) + (with_r ? " residual" : "") + " div=" + std::to_string(div) +
+                            " offset " + std::to_string(elem_offset);
   const auto cpu = encode_cpu(*c, x, t, n, rp, div);
   const auto gpu = encode_gpu(*c, x, t, n, rp, div, elem_offset);
   const DType vt = static_cast<DType>(cpu.packet[9]), it = static_cast<DType>(cpu.packet[10]);
   const auto ref = topk_reference(*c, vt, it, x, t, n, rp, div);
-  ASSERT_EQ(first_diff(cpu.packet, ref.packet), -1) << "CPU packet differs from the stable_sort reference";
-  ASSERT_EQ(first_diff(gpu.packet, cpu.packet), -1) << "GPU packet differs from the CPU packet";
+  fails.check(first_diff(cpu.packet, ref.packet), where + ": CPU packet vs the stable_sort reference, byte");
+  fails.check(first_diff(gpu.packet, cpu.packet), where + ": GPU packet vs the CPU packet, byte");
   if (with_r) {
-    ASSERT_EQ(first_diff_f(cpu.residual, ref.residual), -1);
-    ASSERT_EQ(first_diff_f(gpu.residual, cpu.residual), -1) << "GPU residual differs";
+    fails.check(first_diff_f(cpu.residual, ref.residual), where + ": CPU residual vs the reference, element");
+    fails.check(first_diff_f(gpu.residual, cpu.residual), where + ": GPU residual vs the CPU residual, element");
   }
 }
 
 TEST(CudaTopK, EveryKOnSmallInputs) {
   REQUIRE_GPU();
+  Failures fails;
   uint32_t seed = 1000;
   for (int64_t n : {1, 2, 3, 7, 8, 9, 16, 17, 33}) {
     for (int64_t k = 0; k <= n; ++k) {
       for (Kind kind : {Kind::normal, Kind::ties, Kind::edges, Kind::zeros}) {
-        check_topk("topk:k=" + std::to_string(k), DType::float32, n, kind, seed++, k % 2 == 1, 1.0f);
+        check_topk(fails, "topk:k=" + std::to_string(k), DType::float32, n, kind, seed++, k % 2 == 1, 1.0f);
       }
     }
   }
+  fails.report();
 }
 
 TEST(CudaTopK, SizesAroundPassBoundaries) {
@@ -546,38 +553,43 @@ TEST(CudaTopK, SizesAroundPassBoundaries) {
   std::vector<int64_t> sizes = {0, 1, 7, 255, 256, 257, 2047, 2048, 2049, 8191, 8193,
                                 P::kOneBlockMax - 1, P::kOneBlockMax, P::kOneBlockMax + 1, P::kOneBlockMax + 9,
                                 4 * P::kChunk * 3 + 5, (1 << 20) - 1, (1 << 20) + 1, 3000017};
+  Failures fails;
   uint32_t seed = 5000;
   for (int64_t n : sizes) {
     for (Kind kind : {Kind::normal, Kind::ties, Kind::zeros, Kind::constant, Kind::outlier, Kind::edges, Kind::skewed}) {
       for (const char* ratio : {"0.01", "0.3", "1"}) {
-        check_topk(std::string("topk:ratio=") + ratio, DType::float32, n, kind, seed++, true, 1.0f);
+        check_topk(fails, std::string("topk:ratio=") + ratio, DType::float32, n, kind, seed++, true, 1.0f);
       }
     }
   }
+  fails.report();
 }
 
 TEST(CudaTopK, DtypesIndexAndValueTypes) {
   REQUIRE_GPU();
+  Failures fails;
   uint32_t seed = 9000;
   for (DType t : kDtypes) {
     for (const char* opt : {"", ",value_dtype=float32", ",value_dtype=float16", ",value_dtype=bfloat16", ",index=u64"}) {
       for (int64_t n : {int64_t(1000), int64_t(100003)}) {
         for (Kind kind : {Kind::normal, Kind::edges, Kind::ties}) {
           for (int variant = 0; variant < 4; ++variant) {
-            check_topk(std::string("topk:ratio=0.01") + opt, t, n, kind, seed++, variant & 1,
+            check_topk(fails, std::string("topk:ratio=0.01") + opt, t, n, kind, seed++, variant & 1,
                        (variant & 2) ? 3.0f : 1.0f, variant == 3 ? 1 : 0);
           }
         }
       }
     }
     // multi-block with every dtype, misaligned, with a residual and a divisor
-    check_topk("topk:ratio=0.01", t, 1500001, Kind::normal, seed++, true, 3.0f, 1);
-    check_topk("topk:ratio=0.002,value_dtype=float16", t, 1500000, Kind::edges, seed++, true, 1.0f, 0);
+    check_topk(fails, "topk:ratio=0.01", t, 1500001, Kind::normal, seed++, true, 3.0f, 1);
+    check_topk(fails, "topk:ratio=0.002,value_dtype=float16", t, 1500000, Kind::edges, seed++, true, 1.0f, 0);
   }
+  fails.report();
 }
 
 TEST(CudaTopK, DecodeMatchesCpu) {
   REQUIRE_GPU();
+  Failures fails;
   uint32_t seed = 12000;
   for (const char* spec : {"topk:ratio=0.05", "topk:k=0", "topk:ratio=1,value_dtype=float16", "topk:ratio=0.1,index=u64"}) {
     auto c = Codec::create(spec);
@@ -589,18 +601,22 @@ TEST(CudaTopK, DecodeMatchesCpu) {
           const auto init = to_dtype(make_values(n, Kind::normal, seed++), out_t);
           for (DecodeMode mode : {DecodeMode::assign, DecodeMode::accumulate}) {
             for (float alpha : {1.0f, 0.5f}) {
-              SCOPED_TRACE(std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" + std::to_string(n));
+              const std::string where = std::string(spec) + " in=" + dn(t) + " out=" + dn(out_t) + " n=" +
+                                        std::to_string(n) + (mode == DecodeMode::accumulate ? " acc" : " assign") +
+                                        " alpha=" + std::to_string(alpha);
               uint32_t s_cpu = 0, s_gpu = 0;
               const auto a = decode_cpu(*c, packet, out_t, n, init, mode, alpha, &s_cpu);
               const auto b = decode_gpu(*c, packet, out_t, n, init, mode, alpha, &s_gpu);
-              ASSERT_EQ(first_diff(a, b), -1);
-              ASSERT_EQ(s_cpu, s_gpu);
+              fails.check(first_diff(a, b), where + ": decoded byte");
+              fails.check(s_cpu == s_gpu ? -1 : int64_t(s_gpu), where + ": status (GPU's; the CPU's " +
+                                                                    std::to_string(s_cpu) + ")");
             }
           }
         }
       }
     }
   }
+  fails.report();
 }
 
 TEST(CudaTopK, CorruptPacketsSetStatusAndStayInBounds) {
@@ -914,6 +930,7 @@ TEST(CudaBlockQ, PacketsAndResidualsEqualTheCpu) {
     for (DType t : kDtypes) {
       for (int64_t n : {int64_t(1), int64_t(7), int64_t(33), int64_t(1023), int64_t(1025), int64_t(70001),
                         int64_t(1) << 20}) {
+        if (small_sizes() && n > kSmallMaxNumel) continue;  // GRADCOMP_TEST_SMALL=1 (compute-sanitizer)
         for (int variant = 0; variant < 3; ++variant) {
           SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " + std::to_string(variant));
           const auto x = to_dtype(make_values(n, variant == 2 ? Kind::edges : Kind::normal, seed++), t);
@@ -963,6 +980,7 @@ TEST(CudaOnebit, PacketsAndResidualsEqualTheCpu) {
     auto c = Codec::create(spec);
     for (DType t : kDtypes) {
       for (int64_t n : {int64_t(1), int64_t(7), int64_t(33), int64_t(4097), int64_t(70001), int64_t(1) << 20}) {
+        if (small_sizes() && n > kSmallMaxNumel) continue;  // GRADCOMP_TEST_SMALL=1 (compute-sanitizer)
         for (int variant = 0; variant < 3; ++variant) {
           SCOPED_TRACE(spec + " " + dn(t) + " n=" + std::to_string(n) + " variant " + std::to_string(variant));
           const auto x = to_dtype(make_values(n, variant == 2 ? Kind::edges : Kind::normal, seed++), t);
@@ -977,12 +995,12 @@ TEST(CudaOnebit, PacketsAndResidualsEqualTheCpu) {
 // The header's non-finite flag (byte 11, bit 0) with one NaN in 2^20 elements, with and without a
 // residual, for chunks of one reduce tile and of several (the three-kernel path, whose scale pass
 // once computed the flag and dropped it when the residual pass finished the packet): set on the GPU
-// exactly as on the CPU.
+// exactly as on the CPU. GRADCOMP_TEST_SMALL=1: 70001 elements (still 18 reduce tiles of 4096).
 TEST(CudaOnebit, NonFiniteFlagOnEveryPath) {
   REQUIRE_GPU();
-  const int64_t n = int64_t(1) << 20;
+  const int64_t n = small_sizes() ? kSmallMaxNumel : int64_t(1) << 20;
   std::vector<float> v(static_cast<size_t>(n), 0.25f);
-  v[777777] = std::numeric_limits<float>::quiet_NaN();
+  v[size_t(small_sizes() ? 44444 : 777777)] = std::numeric_limits<float>::quiet_NaN();
   const auto x = to_dtype(v, DType::float32);
   std::vector<float> r(static_cast<size_t>(n), 0.0f);
   for (const std::string spec : {"onebit", "onebit:chunk=4096", "onebit:chunk=12296"}) {  // whole tensor, 1 and 4 tiles
@@ -996,6 +1014,190 @@ TEST(CudaOnebit, NonFiniteFlagOnEveryPath) {
       EXPECT_EQ(first_diff(gpu.packet, cpu.packet), -1);
     }
   }
+}
+
+// ==========================================================================================================
+// n > 2^31: the block quantizers and onebit
+// ==========================================================================================================
+GRADCOMP_HD uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+//! Element i of the huge test's inputs, the same bits on the host and the device (integer hash, then
+//! exact conversions only): a sum of two uniform 24-bit integers (triangular on (-2, 2): normal-ish)
+//! times 2^e, e in [-8, 7] constant over each 4096 elements (block scales that differ); 1 in 256 zero.
+GRADCOMP_HD float huge_value(uint64_t i, uint64_t salt) {
+  const uint64_t h = mix64(i ^ salt);
+  if ((h & 0xFFu) == 0) return 0.0f;
+  const int32_t k = int32_t((h >> 40) & 0xFFFFFFu) + int32_t((h >> 16) & 0xFFFFFFu) - 0x1000000;  // |k| < 2^24
+  const int32_t e = int32_t(mix64((i >> 12) ^ salt ^ 0x5555u) >> 60) - 8;
+  return float(k) * gradcomp::common::bits_float(uint32_t(127 - 23 + e) << 23);  // exact: k * 2^(e - 23)
+}
+constexpr float kHugeResidualScale = 0.0625f;
+
+__global__ void fill_huge(uint16_t* x, float* r, int64_t n, uint64_t salt_x, uint64_t salt_r) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    x[i] = gradcomp::common::float_to_bf16_bits(huge_value(uint64_t(i), salt_x));
+    r[i] = huge_value(uint64_t(i), salt_r) * kHugeResidualScale;
+  }
+}
+
+//! f(begin, end) over [0, n) split among every host thread.
+template <class F> void parallel_for(int64_t n, F&& f) {
+  const int64_t nt = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t step = (n + nt - 1) / nt;
+  std::vector<std::thread> threads;
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t b = std::min(n, t * step), e = std::min(n, b + step);
+    threads.emplace_back([&f, b, e] { f(b, e); });
+  }
+  for (auto& th : threads) th.join();
+}
+
+//! Uninitialized 64-byte aligned host memory (a std::vector would zero gigabytes first).
+struct HostBuf {
+  uint8_t* p = nullptr;
+  explicit HostBuf(size_t b) : p(static_cast<uint8_t*>(std::aligned_alloc(64, (std::max<size_t>(b, 1) + 63) / 64 * 64))) {}
+  ~HostBuf() { std::free(p); }
+  HostBuf(const HostBuf&) = delete;
+  HostBuf& operator=(const HostBuf&) = delete;
+  template <class T> T* as() const { return reinterpret_cast<T*>(p); }
+};
+
+//! The first element (`elem` bytes each) at which a device array and a host array of `count`
+//! elements differ bitwise, or -1. Reads the device array in 256 MiB pieces (no host copy of it all).
+int64_t first_diff_device(const uint8_t* dev, const uint8_t* host, int64_t count, size_t elem) {
+  const size_t total = size_t(count) * elem, piece = size_t(1) << 28;  // a multiple of every elem
+  const size_t staging = std::max<size_t>(1, std::min(piece, total));
+  uint8_t* pinned = nullptr;
+  std::vector<uint8_t> pageable;
+  if (cudaMallocHost(&pinned, staging) != cudaSuccess) {
+    pinned = nullptr;
+    pageable.resize(staging);
+  }
+  uint8_t* buf = pinned ? pinned : pageable.data();
+  int64_t diff = -1;
+  for (size_t off = 0; off < total && diff < 0; off += piece) {
+    const size_t len = std::min(piece, total - off);
+    if (cudaMemcpy(buf, dev + off, len, cudaMemcpyDeviceToHost) != cudaSuccess) {
+      ADD_FAILURE() << "cudaMemcpy of " << len << " bytes at " << off << " failed";
+      diff = int64_t(off / elem);
+    } else if (std::memcmp(buf, host + off, len) != 0) {
+      for (size_t j = 0; j < len; ++j)
+        if (buf[j] != host[off + j]) {
+          diff = int64_t((off + j) / elem);
+          break;
+        }
+    }
+  }
+  if (pinned) cudaFreeHost(pinned);
+  return diff;
+}
+
+// n = 2^31 + 4099 bfloat16 elements with a float32 residual (the residual dtype of every codec:
+// Codec::encode accepts float32 only), divisor 2: int4, fp8 and onebit (default specs) encode on the
+// GPU and on the CPU (OpenMP) to the same packet and the same residual, and the CPU packet decodes
+// (accumulate, alpha 0.5, into x itself: the GPU's copy and the host's) to the same bfloat16 values,
+// with the same status word. The inputs come from a hash of the index, generated on both sides
+// (huge_value: no 12 GiB upload per codec; a few windows are compared to show both sides agree),
+// with finite extremes planted around 2^31 and at both ends. Host memory: x (4 GiB), the residual
+// (8 GiB), the CPU packet and workspace (at most about 2.2 GiB), a 256 MiB staging buffer: the GPU's
+// packet, residual and decoded values are compared piece by piece. Device: about 15 GiB. Skips
+// without a GPU, with less than 24 GiB of free device memory, and under GRADCOMP_TEST_SMALL=1.
+TEST(CudaHuge, Int4Fp8OnebitBfloat16WithResidual2To31Plus4099) {
+  REQUIRE_GPU();
+  if (small_sizes()) GTEST_SKIP() << "GRADCOMP_TEST_SMALL=1: the 2^31-element test skips";
+  const int64_t n = (int64_t(1) << 31) + 4099;
+  const DType t = DType::bfloat16;
+  const float divisor = 2.0f, alpha = 0.5f;
+  const char* const specs[] = {"int4", "fp8", "onebit"};
+  int64_t max_pb = 0, max_wb = 0;
+  for (const char* spec : specs) {
+    auto c = Codec::create(spec);
+    max_pb = std::max(max_pb, c->packet_bytes(n, t));
+    max_wb = std::max(max_wb, c->workspace_bytes(n, t, kGpu));
+  }
+  size_t free_b = 0, total_b = 0;
+  CK(cudaMemGetInfo(&free_b, &total_b));
+  const size_t need = std::max(size_t(n) * (2 + 4) + size_t(max_pb) + size_t(max_wb) + (size_t(1) << 28), size_t(24) << 30);
+  if (free_b < need)
+    GTEST_SKIP() << "needs " << need / (1 << 20) << " MiB of free device memory (at least 24 GiB), " << free_b / (1 << 20)
+                 << " MiB free";
+
+  const int64_t mid = int64_t(1) << 31;
+  const std::pair<int64_t, float> planted[] = {
+      {0, 3.0e37f},         {mid - 3, -2.5e35f},    {mid - 2, 65504.0f}, {mid - 1, -1.0e-40f},
+      {mid, 3.0e37f},       {mid + 1, -448.0f},     {mid + 2, 1.0e-30f}, {mid + 7, -0.0f},
+      {mid + 4095, 57344.0f}, {mid + 4096, -1.0e30f}, {n - 2, 12345.678f}, {n - 1, -3.0e37f}};
+  const uint64_t salt_x = ref::test_seed() * 0x9E3779B97F4A7C15ull + 71000, salt_r = salt_x ^ 0xA5A5A5A5A5A5A5A5ull;
+  Failures fails;
+  HostBuf x(size_t(n) * 2), r(size_t(n) * 4);
+  ASSERT_TRUE(x.p && r.p) << "cannot allocate 12 GiB of host memory";
+  uint16_t* const xh = x.as<uint16_t>();
+  float* const rh = r.as<float>();
+  for (const char* spec : specs) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto c = Codec::create(spec);
+    const std::string where = std::string(spec) + " bfloat16 n=" + std::to_string(n) + " residual divisor 2";
+    const int64_t pb = c->packet_bytes(n, t), wb = c->workspace_bytes(n, t, kGpu);
+    // inputs: on the host (threads) and on the device (a kernel), then the planted values on both
+    parallel_for(n, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        xh[i] = gradcomp::common::float_to_bf16_bits(huge_value(uint64_t(i), salt_x));
+        rh[i] = huge_value(uint64_t(i), salt_r) * kHugeResidualScale;
+      }
+    });
+    DevBuf dx(size_t(n) * 2), dr(size_t(n) * 4), dp(static_cast<size_t>(pb)), dw(static_cast<size_t>(wb));
+    ASSERT_TRUE(dx.p && dr.p && dp.p && dw.p) << where << ": cudaMalloc";
+    fill_huge<<<4096, 256>>>(reinterpret_cast<uint16_t*>(dx.p), reinterpret_cast<float*>(dr.p), n, salt_x, salt_r);
+    CK(cudaGetLastError());
+    for (const auto& [i, v] : planted) {
+      xh[i] = gradcomp::common::float_to_bf16_bits(v);
+      CK(cudaMemcpy(dx.p + i * 2, &xh[i], 2, cudaMemcpyHostToDevice));
+    }
+    for (int64_t w0 : {int64_t(0), mid - 2048, n - 4096}) {
+      fails.check(first_diff_device(dx.p + w0 * 2, x.p + w0 * 2, 4096, 2), where + ": generated x (window at " +
+                                                                               std::to_string(w0) + "), element");
+      fails.check(first_diff_device(dr.p + w0 * 4, r.p + w0 * 4, 4096, 4), where + ": generated residual (window at " +
+                                                                               std::to_string(w0) + "), element");
+    }
+    // the GPU encode
+    CK(cudaMemset(dp.p, 0xCD, size_t(pb)));
+    CK(cudaMemset(dw.p, 0xFF, size_t(wb)));  // garbage workspace: encode must not rely on zeroed scratch
+    CK(cudaMemset(dw.p, 0, 16));
+    Tensor drt{dr.p, DType::float32, n, kGpu};
+    c->encode(Tensor{dx.p, t, n, kGpu}, &drt, Tensor{dp.p, DType::uint8, pb, kGpu}, Tensor{dw.p, DType::uint8, wb, kGpu},
+              divisor);
+    CK(cudaDeviceSynchronize());
+    // the CPU encode (residual in place in r), then the comparisons
+    const int64_t cwb = c->workspace_bytes(n, t, Device{});
+    HostBuf pk(static_cast<size_t>(pb)), ws(static_cast<size_t>(cwb));
+    ASSERT_TRUE(pk.p && ws.p);
+    Tensor rt{r.p, DType::float32, n, Device{}};
+    c->encode(Tensor{x.p, t, n, Device{}}, &rt, Tensor{pk.p, DType::uint8, pb, Device{}},
+              Tensor{ws.p, DType::uint8, cwb, Device{}}, divisor);
+    fails.check(first_diff_device(dp.p, pk.p, pb, 1), where + ": GPU packet vs the CPU packet, byte");
+    fails.check(first_diff_device(dr.p, r.p, n, 4), where + ": GPU residual vs the CPU residual, element");
+    // the CPU packet decoded on both, accumulated into x
+    CK(cudaMemcpy(dp.p, pk.p, size_t(pb), cudaMemcpyHostToDevice));
+    DevBuf dws(64);
+    CK(cudaMemset(dws.p, 0, 64));
+    c->decode(Tensor{dp.p, DType::uint8, pb, kGpu}, Tensor{dx.p, t, n, kGpu}, Tensor{dws.p, DType::uint8, 64, kGpu},
+              DecodeMode::accumulate, alpha);
+    const uint32_t s_gpu = gradcomp::read_status(Tensor{dws.p, DType::uint8, 64, kGpu});
+    alignas(16) uint32_t cws[4] = {0, 0, 0, 0};
+    c->decode(Tensor{pk.p, DType::uint8, pb, Device{}}, Tensor{x.p, t, n, Device{}}, Tensor{cws, DType::uint8, 16, Device{}},
+              DecodeMode::accumulate, alpha);
+    fails.check(s_gpu == cws[0] ? -1 : int64_t(s_gpu), where + ": decode status (GPU's; the CPU's " +
+                                                          std::to_string(cws[0]) + ")");
+    fails.check(first_diff_device(dx.p, x.p, n, 2), where + ": decoded bfloat16 (GPU vs CPU), element");
+    std::printf("[CudaHuge] %s: %lld elements, packet %lld bytes, %.1f s\n", spec, (long long)n, (long long)pb,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(stdout);
+  }
+  fails.report();
 }
 
 TEST(CudaInfo, BuildInfo) {

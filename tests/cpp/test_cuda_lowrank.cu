@@ -46,6 +46,10 @@ using gradcomp::DType;
 using gradcomp::Stream;
 using gradcomp::Tensor;
 namespace lr = gradcomp::lowrank;
+using gradcomp_test::small_sizes;
+//! GRADCOMP_TEST_SMALL=1 (gpu_guard.hpp: for compute-sanitizer) keeps the matrices of at most this
+//! many elements in the shape sweeps (their smallest few) and drops the inputs above 70001 elements.
+constexpr int64_t kSmallMatrix = 4096;
 
 
 const Device kGpu{DeviceKind::cuda, 0};
@@ -455,6 +459,7 @@ LOWRANK_TEST(ProjectBackProjectShapes) {
                           {33, 65, 4}, {64, 64, 64}, {300, 200, 8}, {20000, 16, 4}, {16, 20000, 4}};
   uint32_t seed = 10;
   for (const Shape& s : shapes) {
+    if (small_sizes() && s.rows * s.cols > kSmallMatrix) continue;  // GRADCOMP_TEST_SMALL=1: the smaller shapes
     const int64_t mat = s.rows * s.cols;
     run_gemms(s, packed(1, mat), seed++);
     run_gemms(s, packed(3, mat), seed++);
@@ -520,7 +525,8 @@ LOWRANK_TEST(ResourcesOwnedAndThreads) {
 // alone. With one workspace shared by every stream (cublasSetStream resets the handle to its
 // default one) concurrent GEMMs could overwrite each other's partial sums.
 LOWRANK_TEST(ConcurrentStreamsSameBits) {
-  const Shape s{2048, 4096, 4};
+  // GRADCOMP_TEST_SMALL=1: 16 rows (65536 elements), the same 4096-long sums
+  const Shape s = small_sizes() ? Shape{16, 4096, 4} : Shape{2048, 4096, 4};
   const int64_t mat = s.rows * s.cols, count = 1;
   const std::vector<int64_t> off = packed(count, mat, 0);
   const std::vector<float> M = normals(off.back() + mat, 91);
@@ -555,6 +561,7 @@ LOWRANK_TEST(OrthogonalizeMatchesReference) {
                      {2, 100, 4, 1e-3f}, {1, 3000, 12, 1e-8f}, {1, 1, 1, 0.0f}};
   uint32_t seed = 100;
   for (const C& c : cases) {
+    if (small_sizes() && c.count * c.rows * c.rank > gradcomp_test::kSmallMaxNumel) continue;  // keeps [3000, 12] (unstaged)
     const std::vector<float> X = normals(c.count * c.rows * c.rank, seed++);
     const std::string what = "orthogonalize count " + std::to_string(c.count) + " [" + std::to_string(c.rows) + ", " +
                              std::to_string(c.rank) + "] eps " + std::to_string(c.eps);
@@ -623,7 +630,8 @@ LOWRANK_TEST(ReconstructBitwise) {
   uint32_t seed = 1000;
   const Shape shapes[] = {{1, 1, 1},  {1, 100, 1}, {100, 1, 1}, {7, 5, 5},    {33, 65, 4},
                           {64, 64, 32}, {48, 48, 40}, {70, 130, 8}, {300, 200, 2}};
-  for (const Shape& s : shapes)
+  for (const Shape& s : shapes) {
+    if (small_sizes() && s.rows * s.cols > kSmallMatrix) continue;  // GRADCOMP_TEST_SMALL=1: the smaller shapes
     for (DType out : {DType::float32, DType::float16, DType::bfloat16})
       for (bool res : {false, true}) {
         const int64_t mat = s.rows * s.cols;
@@ -633,14 +641,15 @@ LOWRANK_TEST(ReconstructBitwise) {
         run_reconstruct({s, packed(1, mat), out, res}, seed++, what + " count 1");
         run_reconstruct({s, {2 * mat + 9, 0, mat + 3}, out, res}, seed++, what + " count 3, arbitrary offsets");
       }
+  }
 }
 
 LOWRANK_TEST(ReconstructManyMatricesAndTallGrid) {
   // more matrices than one launch takes (256), with gaps
   run_reconstruct({{3, 5, 2}, packed(300, 15, 2, 1), DType::float32, true}, 5, "300 matrices");
   run_reconstruct({{3, 5, 2}, packed(513, 15, 0, 0), DType::bfloat16, true}, 6, "513 matrices");
-  // more row tiles than gridDim.y (65535 x 32 rows)
-  run_reconstruct({{2100000, 1, 1}, packed(1, 2100000), DType::float32, true}, 7, "2.1M x 1");
+  // more row tiles than gridDim.y (65535 x 32 rows); not under GRADCOMP_TEST_SMALL=1
+  if (!small_sizes()) run_reconstruct({{2100000, 1, 1}, packed(1, 2100000), DType::float32, true}, 7, "2.1M x 1");
 }
 
 LOWRANK_TEST(ReconstructSpecialValuesAndStatus) {
@@ -685,7 +694,7 @@ LOWRANK_TEST(ReconstructSpecialValuesAndStatus) {
 }
 
 LOWRANK_TEST(RandomNormal) {
-  const int64_t n = (int64_t(1) << 17) + 3;
+  const int64_t n = (int64_t(1) << (small_sizes() ? 16 : 17)) + 3;  // GRADCOMP_TEST_SMALL=1: 65539
   Dev<float> d(n);
   ASSERT_TRUE(d.p);
   StreamGuard sg;

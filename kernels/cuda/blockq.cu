@@ -10,17 +10,26 @@
 // a tile of whole data blocks (kTile / B of them); each thread loads 4 consecutive elements of x
 // (and the residual) with 16-byte loads when aligned, keeps x' and y in registers, and takes the
 // per-data-block finite amax with shared-memory atomicMax on the float bits (non-negative floats
-// order as integers; max is order-free, so the result does not depend on scheduling); after a
-// barrier the scales are set and each thread quantizes its 4 elements (codes stored as one 32-bit
-// word, int4 as 16 bits, the residual as a float4). Larger blocks and block=0: an amax kernel
-// (global atomicMax per data block into the workspace), then an element-wise quantization kernel.
-// The last CUDA block (atomic counter) writes the header, zeroes the padding.
-// Decode: element-wise, 4 per thread; the header is checked on the device (checked_input).
-#include <cuda_fp8.h>
-
+// order as integers; max is order-free, so the result does not depend on scheduling), one atomic
+// per run of the thread's elements in one data block (their data blocks in the tile are the same
+// for every tile: found once per thread); after a barrier the scales are set and each thread
+// quantizes its 4 elements (codes stored as one 32-bit word, int4 as 16 bits, the residual as a
+// float4). Larger blocks and block=0: an amax kernel (per warp step the lanes' maxima / ORs per data
+// block, a warp reduction, a running per-warp value flushed by one global atomicMax / atomicOr
+// per data block change: block=0 takes one per warp in all), then an element-wise quantization
+// kernel (one scale per quad that sits in one data block). The last CUDA block (atomic counter)
+// writes the header, zeroes the padding.
+// Decode: element-wise, 4 per thread (codes in one 4-byte / 2-byte load, one scale per quad in one
+// data block, out through one 16-byte / 8-byte vector when aligned; the products with the plain
+// roundings, the NaN rule redone only for a NaN result: mul2_acc_rn, bitwise the rule's); the
+// header is checked on the device (decode_prologue).
+// Element-wise loops find data blocks with a BlockCursor (common.cuh): one division per thread,
+// then additions; no per-element division. Grids: one wave of each kernel (occupancy x SMs,
+// wave_blocks); no result depends on the grid size.
 #include "../common/quant.hpp"
 #include "../core/codecs/blockq.hpp"
 #include "common.cuh"
+#include "fp8.cuh"
 
 namespace gradcomp::detail::cuda {
 namespace {
@@ -43,18 +52,12 @@ constexpr int64_t kAmaxOffset = 16;
 template <QuantKind K> struct DQ;
 template <> struct DQ<QuantKind::e4m3> {
   static constexpr float kMax = common::kE4M3Max;
-  __device__ static uint32_t code(float q) {
-    if (!common::is_finite_bits(__float_as_uint(q))) return common::float_to_e4m3fn(q);  // NaN / inf patterns
-    return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-  }
+  __device__ static uint32_t code(float q) { return fp8_e4m3_code(q); }
   __device__ static float value(uint32_t c) { return common::e4m3fn_to_float(uint8_t(c)); }
 };
 template <> struct DQ<QuantKind::e5m2> {
   static constexpr float kMax = common::kE5M2Max;
-  __device__ static uint32_t code(float q) {
-    if (!common::is_finite_bits(__float_as_uint(q))) return common::float_to_e5m2(q);
-    return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E5M2);
-  }
+  __device__ static uint32_t code(float q) { return fp8_e5m2_code(q); }
   __device__ static float value(uint32_t c) { return common::e5m2_to_float(uint8_t(c)); }
 };
 template <int Max> struct DIntQ {
@@ -211,6 +214,21 @@ template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(
   const int64_t per_tile = kTile / a.B;  // data blocks per tile (>= 1)
   const int64_t tile_elems = per_tile * a.B;
   const int64_t ntiles = (a.nblocks + per_tile - 1) / per_tile;
+  // the thread's 4 elements sit at offsets 4 * threadIdx.x + j of every tile: their data blocks in
+  // the tile, once (one 32-bit division, then steps)
+  uint32_t lbj[kQuad];
+  {
+    const uint32_t B = uint32_t(a.B), o = uint32_t(threadIdx.x) * kQuad;
+    uint32_t lb = o / B, r = o - lb * B;
+#pragma unroll
+    for (int j = 0; j < kQuad; ++j) {
+      lbj[j] = lb;
+      if (++r == B) {
+        r = 0;
+        ++lb;
+      }
+    }
+  }
   uint32_t nf = 0;
   for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {  // uniform over the CUDA block
     const int64_t t0 = t * tile_elems;
@@ -227,12 +245,19 @@ template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(
     const bool vec = a.vec && (t0 % kQuad) == 0;
     float xp[kQuad], y[kQuad];
     if (nv > 0) load_quad<In, HasRes>(a, i, nv, vec, xp, y);
+    // the max (and OR) of a run of elements in one data block first, then one shared atomic per run
+    uint32_t m = 0, f = 0;
 #pragma unroll
     for (int j = 0; j < kQuad; ++j) {
       if (j < nv) {
-        const int64_t lb = (i + j - t0) / a.B;
-        atomicMax(&s_amax[lb], __float_as_uint(common::finite_abs(y[j])));
-        if (!common::is_finite_bits(__float_as_uint(y[j]))) atomicOr(&s_nf[lb], 1u);
+        m = max(m, __float_as_uint(common::finite_abs(y[j])));
+        f |= common::is_finite_bits(__float_as_uint(y[j])) ? 0u : 1u;
+        if (j + 1 == kQuad || j + 1 == nv || lbj[j + 1] != lbj[j]) {
+          atomicMax(&s_amax[lbj[j]], m);
+          if (f) atomicOr(&s_nf[lbj[j]], 1u);
+          m = 0;
+          f = 0;
+        }
       }
     }
     __syncthreads();
@@ -246,7 +271,7 @@ template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(
       bool nfb[kQuad];
 #pragma unroll
       for (int j = 0; j < kQuad; ++j) {
-        const int64_t lb = j < nv ? (i + j - t0) / a.B : 0;
+        const uint32_t lb = j < nv ? lbj[j] : 0u;
         d[j] = __uint_as_float(s_amax[lb]);
         nfb[j] = s_nf[lb] != 0u;
       }
@@ -257,77 +282,212 @@ template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(
   finish(a, nf);
 }
 
-// ---- two passes: large blocks and block=0 ---------------------------------------------------------------------
-template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(kThreads) amax_kernel(EncArgs a) {
-  const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
-  for (int64_t i = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad; i < a.n; i += stride) {
-    const int nv = int(plan::min64(kQuad, a.n - i));
-    float xp[kQuad], y[kQuad];
-    load_quad<In, HasRes>(a, i, nv, a.vec != 0, xp, y);
-#pragma unroll
-    for (int j = 0; j < kQuad; ++j) {
-      if (j < nv) {
-        const int64_t b = (i + j) / a.B;
-        atomicMax(&a.amax[b], __float_as_uint(common::finite_abs(y[j])));
-        if (!common::is_finite_bits(__float_as_uint(y[j]))) atomicOr(&a.amax[a.nblocks + b], 1u);
-      }
-    }
-  }
+// ---- two passes: large blocks (B > kTile) and block=0 ------------------------------------------------------------
+//! The scale of data block b from its amax bits and non-finite bit, as set_scale computes it (without the store).
+template <QuantKind K> __device__ __forceinline__ float block_d(const EncArgs& a, uint32_t amax_bits, bool nonfinite) {
+  if (is_int(K) && nonfinite) return __uint_as_float(0x7FC00000u);
+  if (a.e8m0) return common::e8m0_to_float(common::block_scale_e8m0(__uint_as_float(amax_bits), DQ<K>::kMax));
+  return common::block_scale(__uint_as_float(amax_bits), DQ<K>::kMax);
 }
 
+// A warp's step covers 128 consecutive elements (4 per lane), so with B > 128 (here B > kTile) they sit in
+// the warp's first data block bw or in bw + 1: each lane takes its max / OR per block, the warp reduces
+// them (redux.sync), and the warp keeps a running (block, max, OR) across its steps, flushed by lane 0
+// with one global atomicMax / atomicOr when the block changes and at the end (block=0: one per warp in
+// all). max and OR are order-free: the words end as the per-element atomics left them. Elements beyond
+// bw + 1 (blocks shorter than 128, which the host never sends here) take per-element atomics.
+template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(kThreads) amax_kernel(EncArgs a) {
+  constexpr uint32_t kFull = 0xFFFFFFFFu;
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
+  const int64_t w0 = (int64_t(blockIdx.x) * kThreads + (threadIdx.x & ~31u)) * kQuad;  // the warp's first element
+  int64_t acc_b = -1;  // warp-uniform running block, max and OR
+  uint32_t acc_m = 0, acc_f = 0;
+  auto flush = [&] {
+    if (lane == 0 && acc_b >= 0) {
+      if (acc_m != 0u) atomicMax(&a.amax[acc_b], acc_m);
+      if (acc_f != 0u) atomicOr(&a.amax[a.nblocks + acc_b], 1u);
+    }
+  };
+  auto add = [&](int64_t b, uint32_t m, uint32_t f) {
+    if (b != acc_b) {
+      flush();
+      acc_b = b;
+      acc_m = 0;
+      acc_f = 0;
+    }
+    acc_m = max(acc_m, m);
+    acc_f |= f;
+  };
+  if (w0 < a.n) {
+    const int64_t i0 = w0 + int64_t(lane) * kQuad;
+    BlockCursor cur(i0, stride, a.B);
+    for (int64_t w = w0, i = i0; w < a.n; w += stride, i += stride, cur.advance()) {  // warp-uniform trip count
+      const int64_t bw = __shfl_sync(kFull, cur.b, 0);
+      const int nv = int(plan::max64(0, plan::min64(kQuad, a.n - i)));
+      uint32_t m0 = 0, f0 = 0, m1 = 0, f1 = 0;
+      if (nv > 0) {
+        float xp[kQuad], y[kQuad];
+        load_quad<In, HasRes>(a, i, nv, a.vec != 0, xp, y);
+        int64_t b = cur.b, r = cur.r;
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) {
+          if (j < nv) {
+            const uint32_t m = __float_as_uint(common::finite_abs(y[j]));
+            const uint32_t f = common::is_finite_bits(__float_as_uint(y[j])) ? 0u : 1u;
+            if (b == bw) {
+              m0 = max(m0, m);
+              f0 |= f;
+            } else if (b == bw + 1) {
+              m1 = max(m1, m);
+              f1 |= f;
+            } else {
+              atomicMax(&a.amax[b], m);
+              if (f) atomicOr(&a.amax[a.nblocks + b], 1u);
+            }
+            if (++r == a.B) {
+              r = 0;
+              ++b;
+            }
+          }
+        }
+      }
+      const uint32_t M0 = warp_max_u32(m0), F0 = warp_or_u32(f0);
+      const uint32_t M1 = warp_max_u32(m1), F1 = warp_or_u32(f1);
+      add(bw, M0, F0);
+      if ((M1 | F1) != 0u) add(bw + 1, M1, F1);
+    }
+  }
+  flush();
+}
+
+// A thread's 4 elements take one scale when they share a data block (always unless B is not a multiple of 4
+// or the quad crosses the end of a block); the block index from a BlockCursor, no division per step.
 template <class In, QuantKind K, bool HasRes> __global__ void __launch_bounds__(kThreads) quant_kernel(EncArgs a) {
   uint32_t nf = 0;
   const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
-  for (int64_t i = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad; i < a.n; i += stride) {
-    const int nv = int(plan::min64(kQuad, a.n - i));
-    float xp[kQuad], y[kQuad], d[kQuad];
-    bool nfb[kQuad];
-    load_quad<In, HasRes>(a, i, nv, a.vec != 0, xp, y);
-#pragma unroll
-    for (int j = 0; j < kQuad; ++j) {
-      const int64_t b = j < nv ? (i + j) / a.B : 0;
-      const bool bnf = a.amax[a.nblocks + b] != 0u;
+  const int64_t i0 = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad;
+  if (i0 < a.n) {
+    BlockCursor cur(i0, stride, a.B);
+    for (int64_t i = i0; i < a.n; i += stride, cur.advance()) {
+      const int nv = int(plan::min64(kQuad, a.n - i));
+      float xp[kQuad], y[kQuad], d[kQuad];
+      bool nfb[kQuad];
+      load_quad<In, HasRes>(a, i, nv, a.vec != 0, xp, y);
       // every thread derives the scale; the one holding the block's first element stores it
-      if (j < nv && (i + j) % a.B == 0) d[j] = set_scale<K>(a, b, a.amax[b], bnf);
-      else if (is_int(K) && bnf) d[j] = __uint_as_float(0x7FC00000u);
-      else if (a.e8m0) d[j] = common::e8m0_to_float(common::block_scale_e8m0(__uint_as_float(a.amax[b]), DQ<K>::kMax));
-      else d[j] = common::block_scale(__uint_as_float(a.amax[b]), DQ<K>::kMax);
-      nfb[j] = bnf;
+      if (cur.r + nv <= a.B) {
+        const uint32_t am = a.amax[cur.b];
+        const bool bnf = a.amax[a.nblocks + cur.b] != 0u;
+        const float s = cur.r == 0 ? set_scale<K>(a, cur.b, am, bnf) : block_d<K>(a, am, bnf);
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) {
+          d[j] = s;
+          nfb[j] = bnf;
+        }
+      } else {
+        int64_t b = cur.b, r = cur.r;
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) {
+          d[j] = 1.0f;  // j >= nv: unused
+          nfb[j] = false;
+          if (j < nv) {
+            const uint32_t am = a.amax[b];
+            nfb[j] = a.amax[a.nblocks + b] != 0u;
+            d[j] = r == 0 ? set_scale<K>(a, b, am, nfb[j]) : block_d<K>(a, am, nfb[j]);
+          }
+          if (++r == a.B) {
+            r = 0;
+            ++b;
+          }
+        }
+      }
+      nf |= quantize_quad<K, HasRes>(a, i, nv, a.vec != 0, xp, y, d, nfb);
     }
-    nf |= quantize_quad<K, HasRes>(a, i, nv, a.vec != 0, xp, y, d, nfb);
   }
   finish(a, nf);
 }
 
 // ---- decode -------------------------------------------------------------------------------------------------------
+//! The code value of a byte (fp8 / int8) or a nibble (int4) as DQ<K>::value takes it.
+template <QuantKind K> __device__ __forceinline__ uint32_t code_of(uint32_t v) {
+  if constexpr (K == QuantKind::int4) return v & 8u ? v | 0xFFFFFFF0u : v;
+  else if constexpr (K == QuantKind::int8) return uint32_t(int32_t(int8_t(uint8_t(v))));
+  else return v;
+}
+template <QuantKind K> __device__ __forceinline__ uint32_t code_at(const uint8_t* codes, int64_t k) {
+  if constexpr (K == QuantKind::int4) return code_of<K>((k & 1) ? uint32_t(codes[k >> 1] >> 4) : uint32_t(codes[k >> 1] & 15u));
+  else return code_of<K>(codes[k]);
+}
+
+// A thread decodes 4 consecutive elements i.. i+3 (i a multiple of 4) per step: their codes in one
+// aligned 4-byte (2-byte for int4) load, one scale when they share a data block (the block index
+// from a BlockCursor: no division per step), out through one 16-byte (8-byte) vector when aligned.
 template <QuantKind K, class O, bool Acc>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const uint8_t* __restrict__ packet,
                                                           typename O::storage* __restrict__ out, int64_t n, int64_t B,
-                                                          int e8m0, float alpha, HeaderExpect e, uint32_t* status) {
+                                                          int e8m0, float alpha, bool vec, HeaderExpect e,
+                                                          uint32_t* status) {
+  using OS = typename O::storage;
   // a non-finite value travels as a NaN/inf code (fp8) or a NaN scale (int8/int4): the flag only
   // reaches the status word
   const DecodeHead& head = decode_prologue(packet, e, status);
   if (head.input < 0) return;  // corrupt: write nothing
   const uint8_t* codes = packet + head.offset[0];
   const uint8_t* scales = packet + head.offset[1];
+  const bool cvec = (reinterpret_cast<uintptr_t>(codes) & (K == QuantKind::int4 ? 1u : 3u)) == 0;
+  auto scale_at = [&](int64_t b) {
+    return e8m0 ? common::e8m0_to_float(scales[b]) : reinterpret_cast<const float*>(scales)[b];
+  };
   const int64_t stride = int64_t(gridDim.x) * kThreads * kQuad;
-  for (int64_t i = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad; i < n; i += stride) {
+  const int64_t i0 = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kQuad;
+  if (i0 >= n) return;
+  BlockCursor cur(i0, stride, B);
+  for (int64_t i = i0; i < n; i += stride, cur.advance()) {
     const int nv = int(plan::min64(kQuad, n - i));
-    for (int j = 0; j < nv; ++j) {
-      const int64_t k = i + j;
-      const int64_t b = k / B;
-      const float d = e8m0 ? common::e8m0_to_float(scales[b]) : reinterpret_cast<const float*>(scales)[b];
-      uint32_t c;
+    uint32_t c[kQuad];
+    if (cvec && nv == kQuad) {
       if constexpr (K == QuantKind::int4) {
-        const uint32_t nib = (k & 1) ? uint32_t(codes[k >> 1] >> 4) : uint32_t(codes[k >> 1] & 15u);
-        c = nib & 8u ? nib | 0xFFFFFFF0u : nib;
-      } else if constexpr (K == QuantKind::int8) {
-        c = uint32_t(int32_t(int8_t(codes[k])));
+        const uint32_t w = reinterpret_cast<const uint16_t*>(codes)[i >> 2];
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) c[j] = code_of<K>((w >> (4 * j)) & 15u);
       } else {
-        c = codes[k];
+        const uint32_t w = reinterpret_cast<const uint32_t*>(codes)[i >> 2];
+#pragma unroll
+        for (int j = 0; j < kQuad; ++j) c[j] = code_of<K>((w >> (8 * j)) & 255u);
       }
-      const float v = mul_rn(mul_rn(DQ<K>::value(c), d), alpha);
-      out[k] = O::store(Acc ? add_rn(O::load(out[k]), v) : v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j) c[j] = j < nv ? code_at<K>(codes, i + j) : 0u;
+    }
+    float d[kQuad];
+    if (cur.r + nv <= B) {  // one data block (always for blocks that are multiples of 4)
+      const float s = scale_at(cur.b);
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j) d[j] = s;
+    } else {
+      int64_t b = cur.b, r = cur.r;
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j) {
+        d[j] = j < nv ? scale_at(b) : 0.0f;
+        if (++r == B) {
+          r = 0;
+          ++b;
+        }
+      }
+    }
+    // mul_rn(mul_rn(value, d), alpha) (Acc: add_rn(out, that)), the NaN rule only for a NaN result
+    if (vec && nv == kQuad) {
+      float o[kQuad] = {};
+      if constexpr (Acc) load4<O>(out + i, o);
+      OS s[kQuad];
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j) s[j] = O::store(mul2_acc_rn<Acc>(o[j], DQ<K>::value(c[j]), d[j], alpha));
+      store4<O>(out + i, s);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kQuad; ++j)
+        if (j < nv)
+          out[i + j] = O::store(mul2_acc_rn<Acc>(Acc ? O::load(out[i + j]) : 0.0f, DQ<K>::value(c[j]), d[j], alpha));
     }
   }
 }
@@ -349,7 +509,7 @@ int64_t workspace_bytes(const BlockQPlan& p) {
 void encode(const BlockQPlan& p, const EncodeArgs& args) {
   DeviceGuard guard(args.x.device.index);
   const cudaStream_t s = to_cuda(args.stream);
-  const int sms = sm_count(args.x.device.index);
+  const int dev = args.x.device.index;
   uint8_t* ws = args.workspace;
   const bool one_pass = p.block <= kTile;
   // the flag and the counter; the amax words of the two-pass path
@@ -378,8 +538,11 @@ void encode(const BlockQPlan& p, const EncodeArgs& args) {
     a.vec = (reinterpret_cast<uintptr_t>(args.x.data) % 8 == 0) && (args.residual == nullptr || aligned16(args.residual));
   const int64_t per_tile = one_pass ? kTile / p.block : 1;
   const int64_t ntiles = one_pass ? (p.nblocks + per_tile - 1) / per_tile : 0;
-  const auto grid = unsigned(plan::max64(1, plan::min64(one_pass ? ntiles : plan::ceil_div(p.numel, kTile),
-                                                        int64_t(sms) * plan::kBlocksPerSM * 2)));
+  // one wave of each kernel (occupancy x SMs), fewer blocks for small inputs
+  auto grid = [&](auto kernel) {
+    return unsigned(one_pass ? plan::wave_grid(ntiles, 1, wave_blocks(dev, kernel))
+                             : plan::wave_grid(p.numel, kTile, wave_blocks(dev, kernel)));
+  };
   common::dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
     dispatch_kind(p.kind, [&](auto kind) {
@@ -387,12 +550,12 @@ void encode(const BlockQPlan& p, const EncodeArgs& args) {
       auto run = [&](auto has_res) {
         constexpr bool R = decltype(has_res)::value;
         if (one_pass) {
-          tile_kernel<In, K, R><<<grid, kThreads, 0, s>>>(a);
+          tile_kernel<In, K, R><<<grid(tile_kernel<In, K, R>), kThreads, 0, s>>>(a);
           GRADCOMP_CUDA_CHECK_LAUNCH("blockq tile_kernel");
         } else {
-          amax_kernel<In, K, R><<<grid, kThreads, 0, s>>>(a);
+          amax_kernel<In, K, R><<<grid(amax_kernel<In, K, R>), kThreads, 0, s>>>(a);
           GRADCOMP_CUDA_CHECK_LAUNCH("blockq amax_kernel");
-          quant_kernel<In, K, R><<<grid, kThreads, 0, s>>>(a);
+          quant_kernel<In, K, R><<<grid(quant_kernel<In, K, R>), kThreads, 0, s>>>(a);
           GRADCOMP_CUDA_CHECK_LAUNCH("blockq quant_kernel");
         }
       };
@@ -405,20 +568,22 @@ void encode(const BlockQPlan& p, const EncodeArgs& args) {
 void decode(const BlockQPlan& p, const DecodeArgs& a) {
   DeviceGuard guard(a.out.device.index);
   const cudaStream_t s = to_cuda(a.stream);
-  const int sms = sm_count(a.out.device.index);
-  const auto grid =
-      unsigned(plan::max64(1, plan::min64(plan::ceil_div(p.numel, kTile), int64_t(sms) * plan::kBlocksPerSM * 2)));
+  const int dev = a.out.device.index;
   auto* status = reinterpret_cast<uint32_t*>(a.workspace);
   common::dispatch_float(a.out.dtype, [&](auto o) {
     using O = decltype(o);
     auto* op = static_cast<typename O::storage*>(a.out.data);
+    // out through one vector per 4 elements: 16 bytes (float32) or 8 bytes (float16 / bfloat16)
+    const bool vec = reinterpret_cast<uintptr_t>(op) % (4 * sizeof(typename O::storage)) == 0;
     dispatch_kind(p.kind, [&](auto kind) {
       constexpr QuantKind K = decltype(kind)::value;
-      if (a.mode == DecodeMode::accumulate)
-        decode_kernel<K, O, true><<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.block, p.e8m0, a.alpha, *a.expect, status);
-      else
-        decode_kernel<K, O, false><<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.block, p.e8m0, a.alpha, *a.expect, status);
-      GRADCOMP_CUDA_CHECK_LAUNCH("blockq decode_kernel");
+      auto go = [&](auto kernel) {
+        const auto grid = unsigned(plan::wave_grid(p.numel, kTile, wave_blocks(dev, kernel)));
+        kernel<<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.block, p.e8m0, a.alpha, vec, *a.expect, status);
+        GRADCOMP_CUDA_CHECK_LAUNCH("blockq decode_kernel");
+      };
+      if (a.mode == DecodeMode::accumulate) go(decode_kernel<K, O, true>);
+      else go(decode_kernel<K, O, false>);
     });
   }, "decode: out");
 }

@@ -3,6 +3,8 @@
 // byte those of kernels/cpu/cast.cpp: the same fixed expressions through common::add_rn / sub_rn /
 // mul_rn / div_rn (never contracted into FMA) and the same conversions (common::float_to_*_bits).
 //
+// Grids: one wave of the kernel (occupancy x SMs, cuda::wave_blocks), fewer blocks for small inputs;
+// every result is independent of the grid size.
 // Encode: one grid-stride kernel, 8 consecutive elements per thread through 16-byte vectors;
 // the non-finite bit is OR-reduced per block (__syncthreads_or) and across blocks (atomicOr into
 // the workspace); the last block (atomic counter) writes the padding and the header.
@@ -151,7 +153,7 @@ void encode(const CastPlan& p, const EncodeArgs& a) {
   const cudaStream_t s = to_cuda(a.stream);
   uint8_t* workspace = a.workspace;
   GRADCOMP_CUDA_CHECK(cudaMemsetAsync(workspace + plan::kCastFlagOffset, 0, 8, s));
-  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(a.x.device.index));
+  const int dev = a.x.device.index;
   uint8_t* payload = a.packet + p.layout.sections[0].offset;
   const bool vec = aligned16(a.x.data) && (a.residual == nullptr || aligned16(a.residual));
   auto* flag = reinterpret_cast<uint32_t*>(workspace + plan::kCastFlagOffset);
@@ -166,7 +168,8 @@ void encode(const CastPlan& p, const EncodeArgs& a) {
       const auto* xs = static_cast<const typename In::storage*>(a.x.data);
       auto* out = reinterpret_cast<typename W::storage*>(payload);
       auto go = [&](auto kernel) {
-        kernel<<<unsigned(blocks), kThreads, 0, s>>>(xs, a.residual, out, p.numel, a.divisor, vec, a.packet, p.layout,
+        const auto blocks = unsigned(plan::wave_grid(p.numel, kChunk, wave_blocks(dev, kernel)));
+        kernel<<<blocks, kThreads, 0, s>>>(xs, a.residual, out, p.numel, a.divisor, vec, a.packet, p.layout,
                                                      a.ctx, key, flag, counter);
         GRADCOMP_CUDA_CHECK_LAUNCH("cast_encode_kernel");
       };
@@ -197,17 +200,19 @@ void encode(const CastPlan& p, const EncodeArgs& a) {
 void decode(const CastPlan& p, const DecodeArgs& a) {
   DeviceGuard guard(a.out.device.index);
   const cudaStream_t s = to_cuda(a.stream);
-  const int64_t blocks = plan::elementwise_blocks(p.numel, sm_count(a.out.device.index));
+  const int dev = a.out.device.index;
   const bool vec = aligned16(a.out.data);
   auto* status = reinterpret_cast<uint32_t*>(a.workspace);
   common::dispatch_float(a.out.dtype, [&](auto o) {
     using O = decltype(o);
     auto* op = static_cast<typename O::storage*>(a.out.data);
-    if (a.mode == DecodeMode::accumulate)
-      cast_decode_kernel<O, true><<<unsigned(blocks), kThreads, 0, s>>>(a.packet, op, p.numel, a.alpha, vec, *a.expect, status);
-    else
-      cast_decode_kernel<O, false><<<unsigned(blocks), kThreads, 0, s>>>(a.packet, op, p.numel, a.alpha, vec, *a.expect, status);
-    GRADCOMP_CUDA_CHECK_LAUNCH("cast_decode_kernel");
+    auto go = [&](auto kernel) {
+      const auto blocks = unsigned(plan::wave_grid(p.numel, kChunk, wave_blocks(dev, kernel)));
+      kernel<<<blocks, kThreads, 0, s>>>(a.packet, op, p.numel, a.alpha, vec, *a.expect, status);
+      GRADCOMP_CUDA_CHECK_LAUNCH("cast_decode_kernel");
+    };
+    if (a.mode == DecodeMode::accumulate) go(cast_decode_kernel<O, true>);
+    else go(cast_decode_kernel<O, false>);
   }, "decode: out");
 }
 

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Launch helpers shared by the CUDA kernels: error checking, device guard, 16-byte vector
-// loads/stores of 8 elements, the on-device header load/store, the decode kernels' prologue
-// (header and key check, status word) and packet finishing (header, key
+// Launch helpers shared by the CUDA kernels: error checking, device guard, SM count and occupancy
+// caches (wave_blocks: the grid of one full wave of a kernel), vector loads/stores of 8 and 4
+// elements, the decodes' multiply(-add) with the NaN rule redone only for a NaN result
+// (mul_acc_rn / mul2_acc_rn), warp max / OR of 32-bit words, the BlockCursor (data block of an element in a
+// grid-stride loop without a division per step), the on-device header load/store, the decode
+// kernels' prologue (header and key check, status word) and packet finishing (header, key
 // section, padding: all derived from the packet layout, kernels/core/layout.hpp), and the
 // last-block election. Element tags are kernels/common/elem.hpp, the same set the CPU uses.
 #pragma once
@@ -62,6 +65,18 @@ bool primary_context_active(int device);
 //! Multiprocessors of `device` (cached; a host attribute query, no synchronization).
 int sm_count(int device);
 
+//! Blocks of `kernel` (plan::kThreads threads, no dynamic shared memory) one SM of `device` holds
+//! at once: cudaOccupancyMaxActiveBlocksPerMultiprocessor (registers, static shared memory),
+//! at least 1. Cached per (device, kernel) under a mutex (the query runs outside it; two threads
+//! that miss together store the same number). `device` must be current (the callers' DeviceGuard).
+int blocks_per_sm(int device, const void* kernel);
+
+//! One full wave of `kernel` on `device`: blocks_per_sm x sm_count, the grid of a grid-stride
+//! kernel that reads memory once (plan::wave_grid caps it by the work).
+template <class Kernel> int64_t wave_blocks(int device, Kernel* kernel) {
+  return int64_t(blocks_per_sm(device, reinterpret_cast<const void*>(kernel))) * sm_count(device);
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 using common::BF16;
@@ -109,6 +124,106 @@ __device__ __forceinline__ void store8f(float* p, const float (&v)[plan::kItems]
   reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
+
+// ---- 4 consecutive elements through one vector (p must be 4 * sizeof(storage) aligned) -----------
+template <class T> __device__ __forceinline__ void load4(const typename T::storage* p, float (&v)[4]) {
+  if constexpr (sizeof(typename T::storage) == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  } else {
+    const uint2 a = *reinterpret_cast<const uint2*>(p);
+    v[0] = T::load(static_cast<uint16_t>(a.x & 0xFFFFu));
+    v[1] = T::load(static_cast<uint16_t>(a.x >> 16));
+    v[2] = T::load(static_cast<uint16_t>(a.y & 0xFFFFu));
+    v[3] = T::load(static_cast<uint16_t>(a.y >> 16));
+  }
+}
+//! Store 4 already-converted codes.
+template <class T> __device__ __forceinline__ void store4(typename T::storage* p, const typename T::storage (&c)[4]) {
+  if constexpr (sizeof(typename T::storage) == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(c[0], c[1], c[2], c[3]);
+  } else {
+    *reinterpret_cast<uint2*>(p) = make_uint2(uint32_t(c[0]) | (uint32_t(c[1]) << 16), uint32_t(c[2]) | (uint32_t(c[3]) << 16));
+  }
+}
+
+// ---- decode arithmetic: the NaN rule only where a NaN comes out ------------------------------------
+//! Acc ? fl(o + fl(fl(a * b) * c)) : fl(fl(a * b) * c), exactly as common::mul_rn / add_rn give it:
+//! computed with the plain roundings (mul_raw / add_raw, never contracted) and redone with the rule
+//! only when the result is NaN. Bitwise the same: the rule changes only a NaN result's bits and a
+//! NaN operand makes every later result NaN, so a non-NaN plain result went through no NaN and each
+//! step had the rule's operands and result.
+template <bool Acc> __device__ __forceinline__ float mul2_acc_rn(float o, float a, float b, float c) {
+  const float t = common::mul_raw(common::mul_raw(a, b), c);
+  const float r = Acc ? common::add_raw(o, t) : t;
+  if (!common::is_nan_bits(__float_as_uint(r))) return r;
+  const float v = common::mul_rn(common::mul_rn(a, b), c);
+  return Acc ? common::add_rn(o, v) : v;
+}
+//! Acc ? fl(o + fl(a * c)) : fl(a * c) with the NaN rule, the same way (mul2_acc_rn).
+template <bool Acc> __device__ __forceinline__ float mul_acc_rn(float o, float a, float c) {
+  const float t = common::mul_raw(a, c);
+  const float r = Acc ? common::add_raw(o, t) : t;
+  if (!common::is_nan_bits(__float_as_uint(r))) return r;
+  const float v = common::mul_rn(a, c);
+  return Acc ? common::add_rn(o, v) : v;
+}
+
+// ---- warp reductions of 32-bit words (every lane of the warp must call; all get the result) --------
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xFFFFFFFFu, v);
+#else
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+#endif
+}
+__device__ __forceinline__ uint32_t warp_or_u32(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_or_sync(0xFFFFFFFFu, v);
+#else
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) v |= __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+#endif
+}
+
+// ---- data block (or chunk) of an element in a grid-stride loop, without a division per step ------
+//! Block index b = i / B and offset r = i % B of a thread's current element i, for blocks of B >= 1
+//! elements: two 32-bit divisions per thread (the thread's first element and the loop's stride,
+//! both below 2^32: plan::wave_grid keeps a grid's elements per step at most 2^31; a block of
+//! 2^32 or more elements holds them whole), then advance() moves i by the stride with additions
+//! and one carry (i + stride = (b + stride / B) * B + r + stride % B, and r + stride % B < 2B).
+//! Exact for every later i below 2^63.
+struct BlockCursor {
+  int64_t b;  //!< i / B
+  int64_t r;  //!< i % B
+  int64_t B, sb, sr;
+  __device__ __forceinline__ BlockCursor(int64_t i, int64_t stride, int64_t block) : B(block) {
+    if (block > int64_t(0xFFFFFFFFu)) {
+      b = 0;
+      r = i;
+      sb = 0;
+      sr = stride;
+    } else {
+      const uint32_t B32 = uint32_t(block), i32 = uint32_t(i), s32 = uint32_t(stride);
+      const uint32_t bq = i32 / B32, sq = s32 / B32;
+      b = bq;
+      r = i32 - bq * B32;
+      sb = sq;
+      sr = s32 - sq * B32;
+    }
+  }
+  __device__ __forceinline__ void advance() {
+    b += sb;
+    r += sr;
+    if (r >= B) {
+      r -= B;
+      ++b;
+    }
+  }
+};
 
 //! Load one element of a gradient dtype known only at run time (a packet section's dtype).
 __device__ __forceinline__ float load_dyn(const uint8_t* base, DType dtype, int64_t i) {

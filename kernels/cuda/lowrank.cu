@@ -55,13 +55,18 @@
 // memory). Tile kRecRows x kRecCols with 32 x 8 threads, each thread 4 rows x 2 columns (j and
 // j + 32: lanes write consecutive columns, coalesced); P and Q tiles of kRecK ranks at a time in
 // shared memory (rows padded to 33 words). T is the header's fixed expression with common::mul_rn
-// / add_rn in k order (no FMA; the same NaN rule as the CPU). out is rounded with the common element
-// tags (round to nearest even; NaN -> the canonical quiet NaN with its sign, the CPU's and the
-// casts' rule: bitwise __float2half_rn / __float2bfloat16_rn on every other value); the residual
+// / add_rn in k order (no FMA; the same NaN rule as the CPU), computed as plain binary32 roundings
+// (common::mul_raw / add_raw) and redone with the rule, from P and Q in global memory, only for an
+// output whose plain sum is NaN (the rule changes NaN bits only, and NaN propagates: the other
+// outputs are the rule's bit for bit); __launch_bounds__(256, 6) keeps it at 40 registers (6 blocks
+// per SM) despite the slow path's call. out is rounded with the common element tags (round to
+// nearest even; NaN -> the canonical quiet NaN with its sign, the CPU's and the casts' rule:
+// bitwise __float2half_rn / __float2bfloat16_rn on every other value); the residual
 // e = common::sub_rn(e, T) in the same pass (one read of e). Status bit 0: block-level OR
 // (__syncthreads_or), then one atomicOr per block that saw a non-finite stored value.
 //
-// random_normal: grid-stride, one Philox4x64-10 block per element (kernels/common/philox.hpp;
+// random_normal: grid-stride over one wave of the kernel (occupancy x SMs, gradcomp::detail::cuda::
+// wave_blocks), one Philox4x64-10 block per element (kernels/common/philox.hpp;
 // Salmon et al., SC 2011) and the header's Box-Muller in binary64 (CUDA's log and cos, __dsqrt_rn, rounded once
 // with __double2float_rn). CUDA's log/cos are not glibc's, so a value may differ from the CPU's in
 // its last float bit in rare cases; every CUDA device gives the same bits. The Box-Muller function
@@ -389,8 +394,16 @@ struct RecArgs {
   int64_t offsets[kMaxMatrices];
 };
 
+//! T of one output with the NaN rule at every step (common::mul_rn / add_rn in k order, from -0.0):
+//! the reconstruct kernel's slow path, for an output whose plain sum came out NaN.
+__device__ __noinline__ float lowrank_rec_rule(const float* prow, const float* qrow, int64_t rank) {
+  float acc = -0.0f;
+  for (int64_t k = 0; k < rank; ++k) acc = add_rn(acc, mul_rn(prow[k], qrow[k]));
+  return acc;
+}
+
 template <class O, bool HasRes>
-__global__ void __launch_bounds__(kRecThreads) lowrank_reconstruct_kernel(const __grid_constant__ RecArgs a) {
+__global__ void __launch_bounds__(kRecThreads, 6) lowrank_reconstruct_kernel(const __grid_constant__ RecArgs a) {
   using S = typename O::storage;
   __shared__ float sp[kRecRows][kRecK + 1];
   __shared__ float sq[kRecCols][kRecK + 1];
@@ -409,7 +422,11 @@ __global__ void __launch_bounds__(kRecThreads) lowrank_reconstruct_kernel(const 
       const int64_t i0 = ti * kRecRows, j0 = tj * kRecCols;
       const int64_t ni = gcuda::plan::min64(rows - i0, kRecRows), nj = gcuda::plan::min64(cols - j0, kRecCols);
       // -0.0 + x == x for every x (both zeros, inf, NaN: add_rn keeps x's NaN), so starting at
-      // -0.0 gives T = fl(P0 Q0) + ... exactly as the header writes it.
+      // -0.0 gives T = fl(P0 Q0) + ... exactly as the header writes it. The sums run without the
+      // NaN rule (add_raw / mul_raw, the same roundings): an operation's rule changes only a NaN
+      // result's bits, a NaN operand makes every later result NaN, so a sum that ends non-NaN went
+      // through no NaN and equals the rule's bit for bit; one that ends NaN is redone with the rule
+      // (lowrank_rec_rule, from P and Q in global memory, in the same k order).
       float acc[4][2];
 #pragma unroll
       for (int s = 0; s < 4; ++s) acc[s][0] = acc[s][1] = -0.0f;
@@ -430,8 +447,8 @@ __global__ void __launch_bounds__(kRecThreads) lowrank_reconstruct_kernel(const 
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
             const float pv = sp[ty + 8 * s][kk];
-            acc[s][0] = add_rn(acc[s][0], mul_rn(pv, q0));
-            acc[s][1] = add_rn(acc[s][1], mul_rn(pv, q1));
+            acc[s][0] = common::add_raw(acc[s][0], common::mul_raw(pv, q0));
+            acc[s][1] = common::add_raw(acc[s][1], common::mul_raw(pv, q1));
           }
         }
       }
@@ -444,10 +461,12 @@ __global__ void __launch_bounds__(kRecThreads) lowrank_reconstruct_kernel(const 
         for (int t = 0; t < 2; ++t) {
           const int jj = tx + 32 * t;
           if (jj >= nj) continue;
-          const S v = O::store(acc[s][t]);
+          float T = acc[s][t];
+          if (common::is_nan_bits(__float_as_uint(T))) T = lowrank_rec_rule(P + (i0 + ii) * rank, Q + (j0 + jj) * rank, rank);
+          const S v = O::store(T);
           out[at + jj] = v;
           nf |= O::nonfinite(v) ? 1u : 0u;
-          if constexpr (HasRes) e[at + jj] = sub_rn(e[at + jj], acc[s][t]);
+          if constexpr (HasRes) e[at + jj] = sub_rn(e[at + jj], T);
         }
       }
     }
@@ -455,11 +474,6 @@ __global__ void __launch_bounds__(kRecThreads) lowrank_reconstruct_kernel(const 
   if (__syncthreads_or(int(nf)) && threadIdx.x == 0 && a.status != nullptr) atomicOr(a.status, kStatusNonFinite);
 }
 
-//! Blocks of a grid-stride element-wise kernel over n elements on `device` (at most 8 per SM).
-unsigned elementwise_grid(int64_t n, int device, int threads) {
-  const int64_t cap = int64_t(gcuda::sm_count(device)) * 8;
-  return unsigned(gcuda::plan::max64(1, gcuda::plan::min64(gcuda::plan::ceil_div(n, threads), cap)));
-}
 
 //! Raises the ortho kernel's dynamic shared memory cap on `device` (current) to `limit`, the most
 //! any call on that device asks for, once per (kernel, device): setting it per call to the call's
@@ -564,7 +578,10 @@ void cuda_reconstruct(const MatrixBatch& m, const Tensor& p, const Tensor& q, in
 void cuda_random_normal(const Tensor& x, uint64_t seed, uint64_t stream_id, Stream stream, Resources::Impl& /*res*/) {
   const int device = x.device.index;
   DeviceGuard guard(device);
-  const unsigned grid = elementwise_grid(x.numel, device, gcuda::plan::kThreads);
+  // one wave of the kernel (occupancy x SMs); every element is its own Philox block: any grid
+  // gives the same values
+  const auto grid = unsigned(gcuda::plan::wave_grid(x.numel, gcuda::plan::kThreads,
+                                                    gcuda::wave_blocks(device, lowrank_normal_kernel)));
   lowrank_normal_kernel<<<grid, gcuda::plan::kThreads, 0, to_cuda(stream)>>>(x.ptr<float>(), x.numel, seed, stream_id);
   GRADCOMP_CUDA_CHECK_LAUNCH("lowrank_normal_kernel");
 }

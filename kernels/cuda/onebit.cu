@@ -8,9 +8,16 @@
 // (coalesced), packs their signs with a ballot (lanes 0-3 store the four MSB-first bytes) and adds
 // the terms. Chunks of one tile: the warp then takes the scale and rewrites the residual from x and r
 // (a second read that hits L1/L2), one kernel in all. Larger chunks: tile sums into the workspace,
-// a warp per chunk folds them into the scale, and an element-wise kernel writes r_new. The last
-// block of the last kernel (atomic counter) writes the header and zeroes the padding.
-// Decode: element-wise; the header is checked on the device (checked_input).
+// a warp per chunk folds them into the scale, and an element-wise kernel writes r_new (8 elements
+// per thread and step, x and r through 16-byte vectors when aligned). The last block of the last
+// kernel (atomic counter) writes the header and zeroes the padding.
+// Decode: element-wise, 8 elements per thread and step (one byte of the bit section, one scale,
+// out through 16-byte vectors when aligned; D * alpha with the plain rounding, the NaN rule redone
+// only for a NaN result: mul_acc_rn, bitwise the rule's); the header is checked on the device
+// (decode_prologue).
+// The element-wise kernels find chunks with a BlockCursor (common.cuh): one division per thread,
+// then additions; no per-element division. Grids: one wave of each kernel (occupancy x SMs,
+// wave_blocks); no result depends on the grid size (per-unit sums use a fixed lane tree).
 #include "../common/reduce.hpp"
 #include "../core/codecs/onebit.hpp"
 #include "common.cuh"
@@ -24,6 +31,8 @@ using common::kSumLanes;
 using common::kSumTile;
 using common::mul_rn;
 using common::sub_rn;
+using plan::kChunk;
+using plan::kItems;
 using plan::kThreads;
 
 constexpr int kWarps = kThreads / 32;
@@ -41,6 +50,7 @@ struct EncArgs {
   float div;
   int div1;
   int l2;
+  int vec;          //!< x and r 16-byte aligned: vector loads in the residual pass
   uint8_t* bits;
   float* scales;
   double* sums;
@@ -155,33 +165,97 @@ template <bool Last> __global__ void __launch_bounds__(kThreads) scale_kernel(En
 }
 
 // ---- pass 3: r_new = x' - divisor * D, element-wise --------------------------------------------------------------
+// 8 consecutive elements per thread and step, starting at a multiple of 8. The chunk comes from a
+// BlockCursor (no division per step). A full group inside one chunk (always, unless it holds the end of
+// the tensor: chunks are multiples of 8 or one chunk holds the tensor) with aligned x and r takes one
+// scale and 16-byte vectors; any other group goes element by element.
 template <class In> __global__ void __launch_bounds__(kThreads) residual_kernel(EncArgs a) {
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < a.n; i += stride) {
-    const float s = a.scales[i / a.C];
-    const float ds = a.div1 ? s : mul_rn(a.div, s);
-    const float xp = xprime<In, true>(a, i);
-    const float y = a.div1 ? xp : div_rn(xp, a.div);
-    a.r[i] = sub_rn(xp, signed_scale(!(y < 0.0f), ds));
+  const int64_t stride = int64_t(gridDim.x) * kChunk;
+  const int64_t i0 = int64_t(blockIdx.x) * kChunk + int64_t(threadIdx.x) * kItems;
+  if (i0 < a.n) {
+    BlockCursor cur(i0, stride, a.C);
+    for (int64_t i = i0; i < a.n; i += stride, cur.advance()) {
+      const int nv = int(plan::min64(kItems, a.n - i));
+      if (a.vec && nv == kItems && cur.r + kItems <= a.C) {
+        const float s = a.scales[cur.b];
+        const float ds = a.div1 ? s : mul_rn(a.div, s);
+        float xp[kItems], rv[kItems];
+        load8<In>(static_cast<const typename In::storage*>(a.x) + i, xp);
+        load8<F32>(a.r + i, rv);
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+          const float x = add_rn(xp[j], rv[j]);
+          const float y = a.div1 ? x : div_rn(x, a.div);
+          rv[j] = sub_rn(x, signed_scale(!(y < 0.0f), ds));
+        }
+        store8f(a.r + i, rv);
+      } else {
+        int64_t c = cur.b, r = cur.r;
+#pragma unroll 1
+        for (int j = 0; j < nv; ++j) {
+          const float s = a.scales[c];
+          const float ds = a.div1 ? s : mul_rn(a.div, s);
+          const float xp = xprime<In, true>(a, i + j);
+          const float y = a.div1 ? xp : div_rn(xp, a.div);
+          a.r[i + j] = sub_rn(xp, signed_scale(!(y < 0.0f), ds));
+          if (++r == a.C) {
+            r = 0;
+            ++c;
+          }
+        }
+      }
+    }
   }
   finish(a, 0u);
 }
 
 // ---- decode -------------------------------------------------------------------------------------------------------
+// 8 consecutive elements per thread and step, starting at a multiple of 8: one byte of the bit
+// section; the chunk from a BlockCursor as in the residual pass. A full group inside one chunk takes
+// one scale (and 16-byte vectors for out when aligned); any other group goes element by element.
 template <class O, bool Acc>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const uint8_t* __restrict__ packet,
                                                           typename O::storage* __restrict__ out, int64_t n, int64_t C,
-                                                          float alpha, HeaderExpect e, uint32_t* status) {
+                                                          float alpha, bool vec, HeaderExpect e, uint32_t* status) {
+  using OS = typename O::storage;
   // a non-finite scale travels in the packet: the flag only reaches the status word
   const DecodeHead& head = decode_prologue(packet, e, status);
   if (head.input < 0) return;  // corrupt: write nothing
   const uint8_t* bits = packet + head.offset[0];
   const float* scales = reinterpret_cast<const float*>(packet + head.offset[1]);
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t k = int64_t(blockIdx.x) * kThreads + threadIdx.x; k < n; k += stride) {
-    const float D = signed_scale((bits[k >> 3] >> (7 - (k & 7))) & 1u, scales[k / C]);
-    const float v = mul_rn(D, alpha);
-    out[k] = O::store(Acc ? add_rn(O::load(out[k]), v) : v);
+  const int64_t stride = int64_t(gridDim.x) * kChunk;
+  const int64_t i0 = int64_t(blockIdx.x) * kChunk + int64_t(threadIdx.x) * kItems;
+  if (i0 >= n) return;
+  BlockCursor cur(i0, stride, C);
+  for (int64_t i = i0; i < n; i += stride, cur.advance()) {
+    const int nv = int(plan::min64(kItems, n - i));
+    const uint32_t byte = bits[i >> 3];  // element i + j is bit 7 - j (MSB first)
+    if (nv == kItems && cur.r + kItems <= C) {
+      const float s = scales[cur.b];
+      // mul_rn(D, alpha) (Acc: add_rn(out, that)), the NaN rule only for a NaN result
+      if (vec) {
+        float o[kItems] = {};
+        if constexpr (Acc) load8<O>(out + i, o);
+        OS c[kItems];
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) c[j] = O::store(mul_acc_rn<Acc>(o[j], signed_scale((byte >> (7 - j)) & 1u, s), alpha));
+        store8<O>(out + i, c);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kItems; ++j)
+          out[i + j] = O::store(mul_acc_rn<Acc>(Acc ? O::load(out[i + j]) : 0.0f, signed_scale((byte >> (7 - j)) & 1u, s), alpha));
+      }
+    } else {
+      int64_t c = cur.b, r = cur.r;
+#pragma unroll 1
+      for (int j = 0; j < nv; ++j) {
+        out[i + j] = O::store(mul_acc_rn<Acc>(Acc ? O::load(out[i + j]) : 0.0f, signed_scale((byte >> (7 - j)) & 1u, scales[c]), alpha));
+        if (++r == C) {
+          r = 0;
+          ++c;
+        }
+      }
+    }
   }
 }
 
@@ -193,7 +267,7 @@ int64_t workspace_bytes(const OnebitPlan& p) {
 void encode(const OnebitPlan& p, const EncodeArgs& args) {
   DeviceGuard guard(args.x.device.index);
   const cudaStream_t s = to_cuda(args.stream);
-  const int sms = sm_count(args.x.device.index);
+  const int dev = args.x.device.index;
   uint8_t* ws = args.workspace;
   GRADCOMP_CUDA_CHECK(cudaMemsetAsync(ws + kFlagOffset, 0, 8, s));  // the flag and the counter
   EncArgs a{};
@@ -206,6 +280,7 @@ void encode(const OnebitPlan& p, const EncodeArgs& args) {
   a.div = args.divisor;
   a.div1 = args.divisor == 1.0f;
   a.l2 = p.l2;
+  a.vec = aligned16(args.x.data) && (args.residual == nullptr || aligned16(args.residual));
   a.bits = args.packet + p.layout.sections[0].offset;
   a.scales = reinterpret_cast<float*>(args.packet + p.layout.sections[1].offset);
   a.sums = reinterpret_cast<double*>(ws + kSumsOffset);
@@ -213,34 +288,34 @@ void encode(const OnebitPlan& p, const EncodeArgs& args) {
   a.counter = reinterpret_cast<uint32_t*>(ws + kCounterOffset);
   a.layout = p.layout;
   a.ctx = args.ctx;
-  const int64_t cap = int64_t(sms) * plan::kBlocksPerSM * 2;
-  const auto grid_units = unsigned(plan::max64(1, plan::min64(plan::ceil_div(p.nchunks * p.tiles, kWarps), cap)));
-  const auto grid_chunks = unsigned(plan::max64(1, plan::min64(plan::ceil_div(p.nchunks, kWarps), cap)));
-  const auto grid_elems = unsigned(plan::max64(1, plan::min64(plan::ceil_div(p.numel, kThreads), cap)));
+  // one wave of each kernel (occupancy x SMs), fewer blocks for small inputs
+  auto grid_units = [&](auto k) { return unsigned(plan::wave_grid(p.nchunks * p.tiles, kWarps, wave_blocks(dev, k))); };
+  auto grid_chunks = [&](auto k) { return unsigned(plan::wave_grid(p.nchunks, kWarps, wave_blocks(dev, k))); };
+  auto grid_elems = [&](auto k) { return unsigned(plan::wave_grid(p.numel, kChunk, wave_blocks(dev, k))); };
   const bool one = p.tiles == 1;
   common::dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
     // each launch checked on its own, so an error names the kernel that caused it
     if (args.residual) {
       if (one) {
-        tile_kernel<In, true, true><<<grid_units, kThreads, 0, s>>>(a);
+        tile_kernel<In, true, true><<<grid_units(tile_kernel<In, true, true>), kThreads, 0, s>>>(a);
         GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
       } else {
-        tile_kernel<In, true, false><<<grid_units, kThreads, 0, s>>>(a);
+        tile_kernel<In, true, false><<<grid_units(tile_kernel<In, true, false>), kThreads, 0, s>>>(a);
         GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
-        scale_kernel<false><<<grid_chunks, kThreads, 0, s>>>(a);
+        scale_kernel<false><<<grid_chunks(scale_kernel<false>), kThreads, 0, s>>>(a);
         GRADCOMP_CUDA_CHECK_LAUNCH("onebit scale_kernel");
-        residual_kernel<In><<<grid_elems, kThreads, 0, s>>>(a);
+        residual_kernel<In><<<grid_elems(residual_kernel<In>), kThreads, 0, s>>>(a);
         GRADCOMP_CUDA_CHECK_LAUNCH("onebit residual_kernel");
       }
     } else {
       if (one) {
-        tile_kernel<In, false, true><<<grid_units, kThreads, 0, s>>>(a);
+        tile_kernel<In, false, true><<<grid_units(tile_kernel<In, false, true>), kThreads, 0, s>>>(a);
         GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
       } else {
-        tile_kernel<In, false, false><<<grid_units, kThreads, 0, s>>>(a);
+        tile_kernel<In, false, false><<<grid_units(tile_kernel<In, false, false>), kThreads, 0, s>>>(a);
         GRADCOMP_CUDA_CHECK_LAUNCH("onebit tile_kernel");
-        scale_kernel<true><<<grid_chunks, kThreads, 0, s>>>(a);
+        scale_kernel<true><<<grid_chunks(scale_kernel<true>), kThreads, 0, s>>>(a);
         GRADCOMP_CUDA_CHECK_LAUNCH("onebit scale_kernel");
       }
     }
@@ -250,17 +325,19 @@ void encode(const OnebitPlan& p, const EncodeArgs& args) {
 void decode(const OnebitPlan& p, const DecodeArgs& a) {
   DeviceGuard guard(a.out.device.index);
   const cudaStream_t s = to_cuda(a.stream);
-  const int sms = sm_count(a.out.device.index);
-  const auto grid = unsigned(plan::max64(1, plan::min64(plan::ceil_div(p.numel, kThreads), int64_t(sms) * plan::kBlocksPerSM * 2)));
+  const int dev = a.out.device.index;
   auto* status = reinterpret_cast<uint32_t*>(a.workspace);
+  const bool vec = aligned16(a.out.data);
   common::dispatch_float(a.out.dtype, [&](auto o) {
     using O = decltype(o);
     auto* op = static_cast<typename O::storage*>(a.out.data);
-    if (a.mode == DecodeMode::accumulate)
-      decode_kernel<O, true><<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.chunk, a.alpha, *a.expect, status);
-    else
-      decode_kernel<O, false><<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.chunk, a.alpha, *a.expect, status);
-    GRADCOMP_CUDA_CHECK_LAUNCH("onebit decode_kernel");
+    auto go = [&](auto kernel) {
+      const auto grid = unsigned(plan::wave_grid(p.numel, kChunk, wave_blocks(dev, kernel)));
+      kernel<<<grid, kThreads, 0, s>>>(a.packet, op, p.numel, p.chunk, a.alpha, vec, *a.expect, status);
+      GRADCOMP_CUDA_CHECK_LAUNCH("onebit decode_kernel");
+    };
+    if (a.mode == DecodeMode::accumulate) go(decode_kernel<O, true>);
+    else go(decode_kernel<O, false>);
   }, "decode: out");
 }
 

@@ -23,7 +23,7 @@ namespace gradcomp::detail::cuda::plan {
 inline constexpr int kThreads = 256;                 //!< threads per block (every kernel here)
 inline constexpr int kItems = 8;                     //!< consecutive elements per thread per step
 inline constexpr int64_t kChunk = int64_t(kThreads) * kItems; //!< elements per block step (2048)
-inline constexpr int kBlocksPerSM = 4;               //!< resident 256-thread blocks per SM we plan for (64 regs)
+inline constexpr int kBlocksPerSM = 4;               //!< resident 256-thread blocks per SM the top-k passes plan for (64 regs)
 inline constexpr int64_t kStatusBytes = 16;          //!< the status word's slot at the workspace start
 
 GRADCOMP_PLAN_HD constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -31,13 +31,22 @@ GRADCOMP_PLAN_HD constexpr int64_t align_up(int64_t a, int64_t b) { return ceil_
 GRADCOMP_PLAN_HD constexpr int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 GRADCOMP_PLAN_HD constexpr int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// ---- element-wise kernels (casts, decode, zero fill) --------------------------------------------
-//! Blocks of an element-wise grid-stride kernel over n elements, kItems per thread per step: enough
-//! to cover n in one step, at most `waves` full waves of the device, at least one block (so that a
-//! kernel over 0 elements still runs and can write a header or a status bit).
+// ---- grid-stride kernels (casts, block quantizers, onebit, decode, zero fill) ---------------------
+//! Blocks of a grid-stride kernel over n items, `per_block` items per block and step: enough to
+//! cover n in one step, at most `wave` (the kernel's resident blocks per SM times the SMs, from the
+//! occupancy query: cuda::wave_blocks), at least one block (so that a kernel over 0 elements still
+//! runs and can write a header or a status bit). Every kernel launched this way gives the same
+//! bytes for any grid size (element-wise work, order-free max / OR, fixed per-unit trees). At most
+//! kMaxWaveBlocks blocks, so that a thread's first element and the grid's elements per step stay
+//! below 2^32 (cuda::BlockCursor's 32-bit divisions; a wave is far smaller).
+inline constexpr int64_t kMaxWaveBlocks = int64_t(1) << 20; //!< wave_grid's cap: grid * kChunk <= 2^31
+GRADCOMP_PLAN_HD constexpr int64_t wave_grid(int64_t n, int64_t per_block, int64_t wave) {
+  return max64(1, min64(ceil_div(n, per_block), min64(kMaxWaveBlocks, max64(1, wave))));
+}
+//! wave_grid over n elements at kChunk per block with a wave of kBlocksPerSM blocks per SM taken
+//! `waves` times: the plan where no occupancy figure is at hand (tests/cpp/test_cuda_plan.cpp).
 GRADCOMP_PLAN_HD constexpr int64_t elementwise_blocks(int64_t n, int sm_count, int waves = 2) {
-  const int64_t cap = max64(1, int64_t(sm_count > 0 ? sm_count : 1) * kBlocksPerSM * waves);
-  return max64(1, min64(ceil_div(n, kChunk), cap));
+  return wave_grid(n, kChunk, int64_t(sm_count > 0 ? sm_count : 1) * kBlocksPerSM * waves);
 }
 
 // ---- cast workspace: status word, then the encode's non-finite flag and last-block counter -------
@@ -80,18 +89,26 @@ GRADCOMP_PLAN_HD constexpr Range tile_range(int64_t n, int64_t G, int64_t g) {
   return Range{min64(n, gb * kItems), min64(n, ge * kItems)};
 }
 
-//! Candidate buffer entries in total (AIR's adaptive buffer: candidates are buffered only while
-//! they are few): n/16 + 4096, at most n.
-GRADCOMP_PLAN_HD constexpr int64_t topk_candidate_capacity(int64_t n) { return min64(n, n / 16 + 4096); }
+//! Candidate buffer entries in total for k of n (AIR's adaptive buffer: candidates are buffered
+//! only while they fit): max(n/16, min(2k, n/4)) + 4096, at most n. The elements at or above the
+//! class after pass 0 are k plus part of one 11-bit bucket (1/8 of a binade of |y|), so 2k keeps
+//! ratios up to about 0.1 on the buffered path for smooth data (Gaussian at ratio 0.1: about
+//! 0.14 n); a larger class re-reads the tiles. The n/4 cap bounds the buffer (8 bytes an entry) at
+//! 2n bytes, where it still costs less than a re-read of x'. The encoder, its workspace size and
+//! the device's fill decision all pass the plan's k (no default: k = 0 gives the k-independent
+//! floor min(n, n/16 + 4096)).
+GRADCOMP_PLAN_HD constexpr int64_t topk_candidate_capacity(int64_t n, int64_t k) {
+  return min64(n, max64(n / 16, min64(2 * k, n / 4)) + 4096);
+}
 //! Entries of block g's segment of the candidate buffer (block g buffers only its own tile, in
 //! index order, at g * segment_capacity); a multiple of kItems.
-GRADCOMP_PLAN_HD constexpr int64_t topk_segment_capacity(int64_t n, int64_t G) {
-  return topk_candidate_capacity(n) / G / kItems * kItems;
+GRADCOMP_PLAN_HD constexpr int64_t topk_segment_capacity(int64_t n, int64_t G, int64_t k) {
+  return topk_candidate_capacity(n, k) / G / kItems * kItems;
 }
 //! Whether the next pass should buffer candidates: the elements at or above the class (the sure
 //! ones plus the class) fit the buffer.
-GRADCOMP_PLAN_HD constexpr bool topk_fill_ok(int64_t n, int64_t above, int64_t cls) {
-  return above + cls <= topk_candidate_capacity(n);
+GRADCOMP_PLAN_HD constexpr bool topk_fill_ok(int64_t n, int64_t above, int64_t cls, int64_t k) {
+  return above + cls <= topk_candidate_capacity(n, k);
 }
 
 //! Class elements tile g sends: ties at the threshold go to the lowest indices, so the tiles in
@@ -148,7 +165,8 @@ struct TopKLayout {
   int64_t capacity;   //!< candidate entries
   int64_t bytes;      //!< total workspace bytes
 };
-GRADCOMP_PLAN_HD constexpr TopKLayout topk_layout(int64_t n) {
+//! The layout for k of n elements (the candidate buffer grows with k: topk_candidate_capacity).
+GRADCOMP_PLAN_HD constexpr TopKLayout topk_layout(int64_t n, int64_t k) {
   TopKLayout l{};
   int64_t o = 256;
   l.state = o;
@@ -165,7 +183,7 @@ GRADCOMP_PLAN_HD constexpr TopKLayout topk_layout(int64_t n) {
   o += kMaxGrid * 8;
   l.take = o;
   o += kMaxGrid * 8;
-  l.capacity = topk_candidate_capacity(n);
+  l.capacity = topk_candidate_capacity(n, k);
   l.cand_key = o;
   o += align_up(l.capacity * 4, 256);
   l.cand_idx = o;
@@ -176,11 +194,11 @@ GRADCOMP_PLAN_HD constexpr TopKLayout topk_layout(int64_t n) {
   return l;
 }
 
-//! Blocks of the top-k decode scatter over k entries (grid-stride, one entry per thread per step),
-//! at least one: global thread 0 owns entry 0 and also reports the non-finite flag and writes out[0].
+//! Blocks of the top-k decode scatter over k entries (grid-stride, one entry per thread per step)
+//! without an occupancy figure (the kernel takes wave_grid(k, kThreads, its wave)); at least one:
+//! global thread 0 owns entry 0 and also reports the non-finite flag and writes out[0].
 GRADCOMP_PLAN_HD constexpr int64_t scatter_blocks(int64_t k, int sm_count) {
-  const int64_t cap = max64(1, int64_t(sm_count > 0 ? sm_count : 1) * kBlocksPerSM * 2);
-  return max64(1, min64(ceil_div(k, kThreads), cap));
+  return wave_grid(k, kThreads, int64_t(sm_count > 0 ? sm_count : 1) * kBlocksPerSM * 2);
 }
 
 } // namespace gradcomp::detail::cuda::plan

@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host-side helpers of the CUDA backend: errors, device guard, SM count cache, the status word,
-// version string (the DeviceRuntime table the core reaches through cuda_runtime()).
+// Host-side helpers of the CUDA backend: errors, device guard, SM count cache, the per (device,
+// kernel) occupancy cache behind the grid sizes (blocks_per_sm), the status word, version string
+// (the DeviceRuntime table the core reaches through cuda_runtime()).
 #include <array>
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "common.cuh"
 
@@ -55,6 +59,22 @@ int sm_count(int device) {
   if (v < 1) v = 1;
   if (device >= 0 && device < 64) cache[device].store(v, std::memory_order_relaxed);
   return v;
+}
+
+int blocks_per_sm(int device, const void* kernel) {
+  using Key = std::pair<int, const void*>;
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{device, kernel};
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  int v = 0;
+  GRADCOMP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, plan::kThreads, 0));
+  if (v < 1) v = 1;
+  const std::lock_guard<std::mutex> lock(mu);
+  return cache.emplace(key, v).first->second;
 }
 
 namespace {

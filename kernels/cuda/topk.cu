@@ -12,9 +12,11 @@
 //     synchronization) scans the histogram and elects the bucket of the k-th key: the new prefix,
 //     the keys still needed (k_rem) and the class size;
 //   * passes 1 and 2 histogram the next digit over the class; while the elements at or above the
-//     class are few (plan::topk_fill_ok) the pass also filters them, in index order (CUB
-//     BlockScan), into the block's segment of a candidate buffer, and later passes read only the
-//     segment (a block whose tile overflows its segment re-reads its tile instead);
+//     class fit the candidate buffer (plan::topk_fill_ok; its capacity, max(n/16, min(2k, n/4)) +
+//     4096 entries and at most n, keeps ratios up to about 0.1 on this path) the pass also
+//     filters them, in index order (CUB BlockScan), into the block's segment of the buffer, and
+//     later passes read only the segment (a block whose tile overflows its segment re-reads its
+//     tile instead); which path a block takes never changes the packet or the residual;
 //   * early stop: once the class exactly fills k_rem (or the key is resolved) later passes exit;
 //   * a count pass gives each tile its keys above the class and in the class; the last block scans
 //     these per-tile counts (ties go to the lowest indices: tile g takes
@@ -23,7 +25,9 @@
 //     step), so indices ascend, writes values and the residual of sent elements
 //     (r_new = fl(x' - D), or fl(x' - fl(divisor * D))), and the last block writes the header.
 // Inputs of at most plan::kOneBlockMax elements run all passes in one kernel of one block;
-// k == 0 and k == n take a single element-wise kernel. Offsets are 64-bit throughout.
+// k == 0 and k == n take a single element-wise kernel. Offsets are 64-bit throughout. The
+// element-wise kernels (dense encode, decode zero fill and scatter) run one wave of the kernel
+// (occupancy x SMs, wave_blocks); the passes keep plan::topk_grid (one wave at kBlocksPerSM).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -295,7 +299,7 @@ __device__ void choose(const TopKArgs& a, int level, Shared& sh) {
     st->cls = cls;
     st->level = level;
     st->done = (cls == rem || level == common::kRadixLevels - 1) ? 1 : 0;
-    st->fill_ok = plan::topk_fill_ok(a.n, a.k - rem, cls) ? 1 : 0;
+    st->fill_ok = plan::topk_fill_ok(a.n, a.k - rem, cls, a.k) ? 1 : 0;
     if (level == 0 && __ldcg(h + common::kNonFiniteDigit0) != 0) atomicOr(&st->flag, 1u);
   }
   __threadfence();
@@ -536,7 +540,7 @@ __global__ void __launch_bounds__(kThreads) topk_scatter_kernel(const uint8_t* _
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(status, kStatusCorrupt);
 }
 
-int64_t workspace_bytes(const TopKPlan& p) { return plan::topk_layout(p.numel).bytes; }
+int64_t workspace_bytes(const TopKPlan& p) { return plan::topk_layout(p.numel, p.k).bytes; }
 
 void encode(const TopKPlan& p, const EncodeArgs& args) {
   GRADCOMP_CHECK(p.numel <= plan::topk_max_numel(), Unsupported, "topk encode on CUDA: ", p.numel,
@@ -544,7 +548,7 @@ void encode(const TopKPlan& p, const EncodeArgs& args) {
                  " (per-tile offsets are 32-bit)");
   DeviceGuard guard(args.x.device.index);
   const cudaStream_t s = to_cuda(args.stream);
-  const plan::TopKLayout L = plan::topk_layout(p.numel);
+  const plan::TopKLayout L = plan::topk_layout(p.numel, p.k);
   uint8_t* workspace = args.workspace;
   GRADCOMP_CUDA_CHECK(cudaMemsetAsync(workspace + L.zero_begin, 0, size_t(L.zero_end - L.zero_begin), s));
   const int sms = sm_count(args.x.device.index);
@@ -557,7 +561,7 @@ void encode(const TopKPlan& p, const EncodeArgs& args) {
   a.div1 = args.divisor == 1.0f;
   a.vec = aligned16(args.x.data) && (args.residual == nullptr || aligned16(args.residual));
   a.G = plan::topk_grid(p.numel, sms);
-  a.seg_cap = plan::topk_segment_capacity(p.numel, a.G);
+  a.seg_cap = plan::topk_segment_capacity(p.numel, a.G, p.k);
   a.st = reinterpret_cast<TopKState*>(workspace + L.state);
   a.hist = reinterpret_cast<unsigned long long*>(workspace + L.hist);
   a.seg_count = reinterpret_cast<int64_t*>(workspace + L.seg_count);
@@ -579,7 +583,8 @@ void encode(const TopKPlan& p, const EncodeArgs& args) {
     using In = decltype(in);
     constexpr bool R = decltype(has_res)::value;
     if (p.k == 0 || p.k == p.numel) {
-      const auto blocks = unsigned(plan::elementwise_blocks(p.numel, sms));
+      const auto blocks =
+          unsigned(plan::wave_grid(p.numel, kThreads, wave_blocks(args.x.device.index, topk_dense_kernel<In, R>)));
       topk_dense_kernel<In, R><<<blocks, kThreads, 0, s>>>(a);
       GRADCOMP_CUDA_CHECK_LAUNCH("topk_dense_kernel");
     } else if (G == 1) {
@@ -607,21 +612,24 @@ void encode(const TopKPlan& p, const EncodeArgs& args) {
 void decode(const TopKPlan& p, const DecodeArgs& a) {
   DeviceGuard guard(a.out.device.index);
   const cudaStream_t s = to_cuda(a.stream);
-  const int sms = sm_count(a.out.device.index);
+  const int dev = a.out.device.index;
   auto* status = reinterpret_cast<uint32_t*>(a.workspace);
   const bool vec = aligned16(a.out.data);
-  const auto scatter = unsigned(plan::scatter_blocks(p.k, sms));
   const HeaderExpect& e = *a.expect;
+  // one wave of each kernel (occupancy x SMs), fewer blocks for small inputs
+  auto scatter = [&](auto kernel) { return unsigned(plan::wave_grid(p.k, kThreads, wave_blocks(dev, kernel))); };
   common::dispatch_float(a.out.dtype, [&](auto o) {
     using O = decltype(o);
     auto* op = static_cast<typename O::storage*>(a.out.data);
     if (a.mode == DecodeMode::assign) {
-      const auto blocks = unsigned(plan::elementwise_blocks(p.numel, sms));
+      const auto blocks = unsigned(plan::wave_grid(p.numel, kChunk, wave_blocks(dev, topk_zero_kernel<O>)));
       topk_zero_kernel<O><<<blocks, kThreads, 0, s>>>(a.packet, op, p.numel, vec, e);
       GRADCOMP_CUDA_CHECK_LAUNCH("topk_zero_kernel");
-      topk_scatter_kernel<O, false><<<scatter, kThreads, 0, s>>>(a.packet, op, p.numel, p.k, a.alpha, e, status);
+      topk_scatter_kernel<O, false><<<scatter(topk_scatter_kernel<O, false>), kThreads, 0, s>>>(a.packet, op, p.numel,
+                                                                                                p.k, a.alpha, e, status);
     } else {
-      topk_scatter_kernel<O, true><<<scatter, kThreads, 0, s>>>(a.packet, op, p.numel, p.k, a.alpha, e, status);
+      topk_scatter_kernel<O, true><<<scatter(topk_scatter_kernel<O, true>), kThreads, 0, s>>>(a.packet, op, p.numel,
+                                                                                              p.k, a.alpha, e, status);
     }
     GRADCOMP_CUDA_CHECK_LAUNCH("topk_scatter_kernel");
   }, "decode: out");

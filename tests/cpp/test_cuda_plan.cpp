@@ -78,24 +78,35 @@ TEST(CudaPlan, TileRangesPartitionInOrder) {
 
 TEST(CudaPlan, CandidateSegments) {
   for (int64_t n : kSizes)
-    for (int sm : kSms) {
-      const int64_t G = P::topk_grid(n, sm);
-      const int64_t cap = P::topk_candidate_capacity(n), seg = P::topk_segment_capacity(n, G);
-      EXPECT_LE(cap, n);
-      EXPECT_GE(seg, 0);
-      EXPECT_EQ(seg % P::kItems, 0);
-      EXPECT_LE(seg * G, cap); // segments never overlap past the buffer
-    }
-  EXPECT_EQ(P::topk_candidate_capacity(1000), 1000);
-  EXPECT_EQ(P::topk_candidate_capacity(int64_t(1) << 28), (int64_t(1) << 24) + 4096);
-  EXPECT_TRUE(P::topk_fill_ok(1 << 20, 100, (1 << 16)));
-  EXPECT_FALSE(P::topk_fill_ok(1 << 20, 100, (1 << 20) - 100));
+    for (int sm : kSms)
+      for (int64_t k : {int64_t(0), int64_t(1), n / 100, n / 10, n / 2, n}) {
+        const int64_t G = P::topk_grid(n, sm);
+        const int64_t cap = P::topk_candidate_capacity(n, k), seg = P::topk_segment_capacity(n, G, k);
+        EXPECT_LE(cap, n);
+        EXPECT_GE(cap, std::min(n, n / 16 + 4096)); // never below the k-independent floor
+        EXPECT_GE(seg, 0);
+        EXPECT_EQ(seg % P::kItems, 0);
+        EXPECT_LE(seg * G, cap); // segments never overlap past the buffer
+      }
+  EXPECT_EQ(P::topk_candidate_capacity(1000, 10), 1000);
+  const int64_t n28 = int64_t(1) << 28;
+  EXPECT_EQ(P::topk_candidate_capacity(n28, 0), (int64_t(1) << 24) + 4096);
+  EXPECT_EQ(P::topk_candidate_capacity(n28, n28 / 100), (int64_t(1) << 24) + 4096); // 2k below n/16
+  // ratio 0.1 (the experiment's largest): 2k = 0.2 n, so Gaussian data's ~0.14 n after pass 0 fit
+  const int64_t k10 = (n28 + 9) / 10;
+  EXPECT_EQ(P::topk_candidate_capacity(n28, k10), 2 * k10 + 4096);
+  EXPECT_TRUE(P::topk_fill_ok(n28, k10 / 2, int64_t(0.14 * double(n28)) - k10 / 2, k10));
+  EXPECT_FALSE(P::topk_fill_ok(n28, k10 / 2, int64_t(0.14 * double(n28)) - k10 / 2, 0)); // the old capacity
+  EXPECT_EQ(P::topk_candidate_capacity(n28, n28 / 2), n28 / 4 + 4096);                   // the n/4 cap
+  EXPECT_TRUE(P::topk_fill_ok(1 << 20, 100, (1 << 16), 100));
+  EXPECT_FALSE(P::topk_fill_ok(1 << 20, 100, (1 << 20) - 100, 100));
 }
 
 TEST(CudaPlan, WorkspaceLayout) {
-  for (int64_t n : kSizes) {
-    const auto l = P::topk_layout(n);
-    SCOPED_TRACE(testing::Message() << "n=" << n);
+  for (int64_t n : kSizes)
+    for (int64_t k : {int64_t(0), n / 10}) {
+    const auto l = P::topk_layout(n, k);
+    SCOPED_TRACE(testing::Message() << "n=" << n << " k=" << k);
     const std::vector<int64_t> starts = {l.state, l.hist, l.seg_count, l.above, l.cls, l.out_off, l.take, l.cand_key,
                                          l.cand_idx, l.bytes};
     EXPECT_GE(l.state, P::kStatusBytes); // the status word's 16 bytes stay the caller's
@@ -112,8 +123,8 @@ TEST(CudaPlan, WorkspaceLayout) {
     // the async memset clears the state and the histograms, nothing of the status word
     EXPECT_EQ(l.zero_begin, l.state);
     EXPECT_EQ(l.zero_end, l.seg_count);
-    EXPECT_EQ(l.capacity, P::topk_candidate_capacity(n));
-  }
+    EXPECT_EQ(l.capacity, P::topk_candidate_capacity(n, k));
+    }
   // The cast codecs' encode uses the status slot's spare words: flag and counter after the status.
   EXPECT_GE(P::kCastFlagOffset, 4);
   EXPECT_LE(P::kCastCounterOffset + 4, P::kStatusBytes);

@@ -4,7 +4,7 @@
 
 namespace gradcomp::detail {
 
-FactoryFn make_cast, make_topk, make_blockq, make_onebit; // defined in kernels/core/codecs/<family>.cpp
+FactoryFn make_cast, make_topk, make_blockq, make_onebit, make_randomk, make_qsgd; // defined in kernels/core/codecs/<family>.cpp
 
 const std::vector<RegistryEntry>& registry() {
   static const std::vector<RegistryEntry> table = {
@@ -18,6 +18,10 @@ const std::vector<RegistryEntry>& registry() {
        {"topk:ratio=0.01", "topk:ratio=1", "topk:k=0", "topk:k=3,index=u64,value_dtype=bfloat16",
         "topk:ratio=0.3,value_dtype=float16"},
        "exact top-k by magnitude (Aji & Heafield, EMNLP 2017; Lin et al., ICLR 2018)"},
+      {"randomk", CodecId::randomk, {"ratio", "k", "unbiased"}, make_randomk,
+       {"randomk:ratio=0.01", "randomk:ratio=1", "randomk:k=0", "randomk:k=3,unbiased=true"},
+       "random-k, one index per stratum from the key, values only (Stich et al., NeurIPS 2018; unbiased "
+       "rescaling: Wangni et al., NeurIPS 2018)"},
       {"fp8", CodecId::fp8, {"format", "block", "scale"}, make_blockq,
        {"fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "fp8:block=0", "fp8:format=e5m2,block=17"},
        "float8 e4m3fn / e5m2 codes with a float32 (or OCP MX e8m0) scale per block (Micikevicius et al. 2022)"},
@@ -25,6 +29,10 @@ const std::vector<RegistryEntry>& registry() {
        "symmetric int8 codes with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
       {"int4", CodecId::int4, {"block"}, make_blockq, {"int4", "int4:block=0", "int4:block=6"},
        "symmetric int4 codes, two per byte, with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
+      {"qsgd", CodecId::qsgd, {"levels", "block"}, make_qsgd,
+       {"qsgd", "qsgd:levels=16", "qsgd:levels=1,block=7", "qsgd:block=4096"},
+       "stochastic rounding to s levels of |x| / the block's L2 norm, int8 codes, a float32 norm per block, keyed "
+       "(QSGD, Alistarh et al., NeurIPS 2017, section 3.1; GRACE's defaults s = 127, block 128)"},
       {"onebit", CodecId::onebit, {"scale", "chunk"}, make_onebit,
        {"onebit", "onebit:scale=mean_abs", "onebit:chunk=8", "onebit:chunk=4104,scale=mean_abs"},
        "1-bit signs with a float32 scale (RMS or mean |x|) per chunk (1-bit Adam, Tang et al. 2021)"},

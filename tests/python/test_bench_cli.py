@@ -364,10 +364,52 @@ def test_ef_codecs_are_registered_and_lossy():
 
 
 def test_exact_covers_every_deterministic_codec():
-    deterministic = {c["name"] for c in gradcomp.codecs() if c["properties"]["deterministic"]}
+    # keyed codecs draw their own random numbers: no torch sequence reproduces their packets
+    # (test_randomk_baseline_shape checks random-k's)
+    deterministic = {c["name"] for c in gradcomp.codecs()
+                     if c["properties"]["deterministic"] and not c["properties"]["keyed"]}
     assert deterministic <= {s.split(":")[0] for s in EXACT}, deterministic - {s.split(":")[0] for s in EXACT}
     for s in EXACT:
         assert gradcomp.Codec(s).properties["deterministic"], s
+
+
+@pytest.mark.parametrize("spec", ["randomk:ratio=0.01", "randomk:k=3,unbiased=true"])
+def test_randomk_baseline_shape(spec):
+    """torch.randint picks other indices than the codec's strata: k entries of x (times n / k when
+    unbiased), zeros elsewhere, and never the global generator."""
+    n = 1 << 12
+    x = torch.arange(1, n + 1, dtype=torch.float32)
+    c = gradcomp.Codec(spec)
+    k = c.layout(n)["main_param"]
+    state = torch.random.get_rng_state()
+    b = baselines.make(c, x)
+    b.encode()
+    b.decode()
+    assert torch.equal(torch.random.get_rng_state(), state)
+    nz = torch.nonzero(b.out).flatten()
+    assert 1 <= nz.numel() <= k  # randint may repeat an index
+    scale = n / k if "unbiased" in spec else 1.0
+    assert torch.equal(b.out[nz], x[nz] * scale)
+    assert baselines.make(c, x, torch.zeros(n)) is None
+
+
+def test_qsgd_baseline_shape():
+    """GRACE's sequence: per block of 128 at most s + 1 distinct magnitudes, each a multiple of
+    norm / s, signs of x; never the global generator."""
+    n, s = 1 << 12, 16
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    c = gradcomp.Codec(f"qsgd:levels={s}")
+    state = torch.random.get_rng_state()
+    b = baselines.make(c, x)
+    b.encode()
+    b.decode()
+    assert torch.equal(torch.random.get_rng_state(), state)
+    norm = torch.linalg.vector_norm(x.view(-1, 128), dim=1, keepdim=True)
+    level = (b.out.view(-1, 128) / (norm / s))
+    assert torch.allclose(level, level.round(), atol=1e-3) and level.abs().max() <= s + 1e-3
+    nz = b.out != 0
+    assert torch.equal(torch.sign(b.out[nz]), torch.sign(x[nz]))
+    assert baselines.make(c, x[:1000]) is None and baselines.make(c, x, torch.zeros(n)) is None
 
 
 def test_keyed_cast_has_no_sequence():

@@ -12,6 +12,14 @@ sequences ``bench/side_by_side.py`` timed, one per registered codec:
 - ``none``, ``fp16``, ``bf16``: ``w.copy_(x)`` (a cast into the wire dtype), ``out.copy_(w)``.
 - ``topk``: ``torch.topk(x.abs(), k, sorted=False)`` and ``x[idx]`` (the values the packet
   carries); decode ``out.zero_().index_copy_(0, idx, v)``; with a residual ``r = x'``, ``r[idx] -= v``.
+- ``randomk``: ``torch.randint(0, n, (k,), generator=g)`` (its own generator, never the global
+  one) and ``x[idx]`` (times n / k with ``unbiased=true``); decode ``out.zero_().index_copy_(0,
+  idx, v)``. The indices differ from the codec's (Philox strata), so only the shape of the result
+  is compared.
+- ``qsgd``: GRACE's QSGD per block of B elements: ``norm = vector_norm(x_b)``, ``level = s / norm *
+  |x|``, ``floor`` plus ``rand() < frac`` (its own generator), ``* sign`` to int8; decode ``norm / s
+  * code`` (other uniforms than the codec's Philox words: only the shape of the result is
+  compared).
 - ``fp8``, ``int8``, ``int4``: per block of B elements amax, ``d = amax / max`` (448 e4m3fn,
   57344 e5m2, 127, 7; e8m0 scales ``2^ceil(log2 d)``), ``(x / d).to(float8)`` or
   ``round(x / d).clamp(-max, max).to(int8)`` (int4: two codes per byte, low nibble first);
@@ -160,6 +168,60 @@ def _topk(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
                     "zero_(), index_copy_(idx, v)")
 
 
+def _randomk(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
+    if residual is not None:
+        return None
+    n, dev = x.numel(), x.device
+    k = codec.layout(n, x.dtype)["main_param"]
+    scale = n / k if k and spec_keys(codec.spec).get("unbiased") == "true" else None
+    gen = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.empty(k, dtype=torch.long, device=dev)
+    vals = torch.empty(k, dtype=x.dtype, device=dev)
+    out = torch.empty_like(x)
+
+    def enc():
+        torch.randint(0, max(n, 1), (k,), generator=gen, device=dev, out=idx)
+        torch.index_select(x, 0, idx, out=vals)
+        if scale is not None:
+            vals.mul_(scale)
+
+    def dec():
+        out.zero_()
+        out.index_copy_(0, idx, vals)
+
+    return Baseline("randint(n, (k,)), x[idx]" + (" * n/k" if scale else ""), enc, dec, out,
+                    "zero_(), index_copy_(idx, v)")
+
+
+def _qsgd(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
+    n, dev = x.numel(), x.device
+    B = codec.layout(n, x.dtype)["main_param"]
+    if residual is not None or n == 0 or n % B:
+        return None
+    s = float(int(spec_keys(codec.spec).get("levels", "127")))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xf = torch.empty(n, dtype=F32, device=dev)
+    prob = torch.empty(n, dtype=F32, device=dev)
+    codes = torch.empty(n, dtype=torch.int8, device=dev)
+    state = {}
+    out = torch.empty_like(x)
+
+    def enc():
+        xb = xf.copy_(x).view(-1, B)
+        norm = torch.linalg.vector_norm(xb, dim=1, keepdim=True)
+        level = (s / norm) * xb.abs()
+        prev = level.floor()
+        prob.uniform_(generator=gen)
+        new = prev + (prob.view(-1, B) < (level - prev))
+        codes.copy_((new * xb.sign()).view(-1))
+        state["norm"] = norm
+
+    def dec():
+        out.copy_((state["norm"] / s * codes.view(-1, B).float()).view(-1))
+
+    return Baseline("GRACE qsgd: norm, s/norm*|x|, floor + rand < frac, *sign", enc, dec, out, "norm / s * code")
+
+
 def _blockq(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
     n, dev = x.numel(), x.device
     lay = codec.layout(n, x.dtype)
@@ -301,8 +363,8 @@ def _onebit(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
 
 
 _BUILDERS = {
-    "none": _cast, "fp16": _cast, "bf16": _cast, "topk": _topk,
-    "fp8": _blockq, "int8": _blockq, "int4": _blockq, "onebit": _onebit,
+    "none": _cast, "fp16": _cast, "bf16": _cast, "topk": _topk, "randomk": _randomk,
+    "fp8": _blockq, "int8": _blockq, "int4": _blockq, "qsgd": _qsgd, "onebit": _onebit,
 }
 """The sequence builder of each codec name: written by hand, one per registered codec
 (tests/python/test_bench_cli.py fails when ``gradcomp.codecs()`` has a name this table lacks, or

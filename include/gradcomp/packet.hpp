@@ -47,6 +47,7 @@ enum class CodecId : uint16_t {
   qsgd = 10,
   onebit = 11,
   powersgd = 12,
+  terngrad = 13,
 };
 
 struct PacketHeader {

@@ -4,7 +4,7 @@
 
 namespace gradcomp::detail {
 
-FactoryFn make_cast, make_topk, make_blockq, make_onebit, make_randomk, make_qsgd; // defined in kernels/core/codecs/<family>.cpp
+FactoryFn make_cast, make_topk, make_blockq, make_onebit, make_randomk, make_qsgd, make_terngrad; // defined in kernels/core/codecs/<family>.cpp
 
 const std::vector<RegistryEntry>& registry() {
   static const std::vector<RegistryEntry> table = {
@@ -33,6 +33,9 @@ const std::vector<RegistryEntry>& registry() {
        {"qsgd", "qsgd:levels=16", "qsgd:levels=1,block=7", "qsgd:block=4096"},
        "stochastic rounding to s levels of |x| / the block's L2 norm, int8 codes, a float32 norm per block, keyed "
        "(QSGD, Alistarh et al., NeurIPS 2017, section 3.1; GRACE's defaults s = 127, block 128)"},
+      {"terngrad", CodecId::terngrad, {"clip"}, make_terngrad, {"terngrad", "terngrad:clip=0"},
+       "ternary codes sign(x) * Bernoulli(|x| / max|x|) after clipping at c standard deviations, one float32 "
+       "scale, keyed (TernGrad, Wen et al., NeurIPS 2017, sections 3 and 3.3)"},
       {"onebit", CodecId::onebit, {"scale", "chunk"}, make_onebit,
        {"onebit", "onebit:scale=mean_abs", "onebit:chunk=8", "onebit:chunk=4104,scale=mean_abs"},
        "1-bit signs with a float32 scale (RMS or mean |x|) per chunk (1-bit Adam, Tang et al. 2021)"},

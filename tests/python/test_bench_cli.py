@@ -412,6 +412,26 @@ def test_qsgd_baseline_shape():
     assert baselines.make(c, x[:1000]) is None and baselines.make(c, x, torch.zeros(n)) is None
 
 
+def test_terngrad_baseline_shape():
+    """TernGrad's sequence: values in {-s, 0, s} with x's signs, s = max |clip(x)|; never the
+    global generator."""
+    n = 1 << 12
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    x[9] = 50.0
+    c = gradcomp.Codec("terngrad")
+    state = torch.random.get_rng_state()
+    b = baselines.make(c, x)
+    b.encode()
+    b.decode()
+    assert torch.equal(torch.random.get_rng_state(), state)
+    s = float(b.out.abs().max())
+    assert abs(s - 2.5 * float(torch.std(x, correction=0))) < 1e-4 * s  # the clipped max
+    assert set(torch.unique(b.out.abs()).tolist()) <= {0.0, s}
+    nz = b.out != 0
+    assert torch.equal(torch.sign(b.out[nz]), torch.sign(x[nz])) and nz.sum() > 0
+    assert baselines.make(c, x[:1001]) is None and baselines.make(c, x, torch.zeros(n)) is None
+
+
 def test_keyed_cast_has_no_sequence():
     for c in gradcomp.codecs():
         for ex in c["examples"]:

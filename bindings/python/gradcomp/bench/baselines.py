@@ -20,6 +20,9 @@ sequences ``bench/side_by_side.py`` timed, one per registered codec:
   |x|``, ``floor`` plus ``rand() < frac`` (its own generator), ``* sign`` to int8; decode ``norm / s
   * code`` (other uniforms than the codec's Philox words: only the shape of the result is
   compared).
+- ``terngrad``: TernGrad's sequence: ``std``, ``clamp(-2.5 std, 2.5 std)``, ``s = max |x_c|``,
+  ``rand() < |x_c| / s`` (its own generator) times ``sign``, two bits per code packed four to a byte;
+  decode unpacks the codes times s (other uniforms than the codec's: the shape is compared).
 - ``fp8``, ``int8``, ``int4``: per block of B elements amax, ``d = amax / max`` (448 e4m3fn,
   57344 e5m2, 127, 7; e8m0 scales ``2^ceil(log2 d)``), ``(x / d).to(float8)`` or
   ``round(x / d).clamp(-max, max).to(int8)`` (int4: two codes per byte, low nibble first);
@@ -222,6 +225,38 @@ def _qsgd(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
     return Baseline("GRACE qsgd: norm, s/norm*|x|, floor + rand < frac, *sign", enc, dec, out, "norm / s * code")
 
 
+def _terngrad(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
+    n, dev = x.numel(), x.device
+    if residual is not None or n == 0 or n % 4:
+        return None
+    c = float(spec_keys(codec.spec).get("clip", "2.5"))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xf = torch.empty(n, dtype=F32, device=dev)
+    u = torch.empty(n, dtype=F32, device=dev)
+    packed = torch.empty(n // 4, dtype=torch.uint8, device=dev)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev)
+    state = {}
+    out = torch.empty_like(x)
+
+    def enc():
+        xc = xf.copy_(x)
+        if c:
+            lim = c * float(torch.std(xc, correction=0))
+            xc = xc.clamp(-lim, lim)
+        s = xc.abs().max()
+        u.uniform_(generator=gen)
+        b = (u < xc.abs() / s).to(torch.uint8) * torch.where(xc < 0, 3, 1).to(torch.uint8)
+        packed.copy_((b.view(-1, 4) << shifts).sum(dim=1, dtype=torch.uint8))
+        state["s"] = s
+
+    def dec():
+        codes = (packed.view(-1, 1) >> shifts) & 3
+        val = (codes == 1).to(F32) - (codes == 3).to(F32)
+        out.copy_((val * state["s"]).view(-1))
+
+    return Baseline("std, clamp, max|x|, rand < |x|/s, 2-bit pack", enc, dec, out, "unpack * s")
+
+
 def _blockq(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
     n, dev = x.numel(), x.device
     lay = codec.layout(n, x.dtype)
@@ -364,7 +399,8 @@ def _onebit(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
 
 _BUILDERS = {
     "none": _cast, "fp16": _cast, "bf16": _cast, "topk": _topk, "randomk": _randomk,
-    "fp8": _blockq, "int8": _blockq, "int4": _blockq, "qsgd": _qsgd, "onebit": _onebit,
+    "fp8": _blockq, "int8": _blockq, "int4": _blockq, "qsgd": _qsgd, "terngrad": _terngrad,
+    "onebit": _onebit,
 }
 """The sequence builder of each codec name: written by hand, one per registered codec
 (tests/python/test_bench_cli.py fails when ``gradcomp.codecs()`` has a name this table lacks, or

@@ -20,18 +20,18 @@ from gradcomp.torch import Compressor, compressor  # noqa: E402
 from ddp_helpers import run  # noqa: E402
 
 SEED = 20261203
-NAMES = ("dense", "sum", "gather", "two_phase", "hierarchical", "rs_ag")
+NAMES = ("dense", "sum", "gather", "two_phase", "hierarchical", "rs_ag", "majority")
 
 
 def test_every_list_of_names_is_the_table():
     assert tuple(s.name for s in TABLE) == NAMES
     assert registry.names() == NAMES and tuple(SCHEMES) == NAMES
     flat = tuple(s.name for s in TABLE if s.flat)
-    assert flat == ("dense", "sum", "gather", "two_phase", "rs_ag")
+    assert flat == ("dense", "sum", "gather", "two_phase", "rs_ag", "majority")
     assert planner.ALL_SCHEMES == NAMES and planner.SCHEMES == flat
     assert compressor.SCHEME_CHOICES == ("auto",) + NAMES
     assert compressor.INNER_CHOICES == ("auto",) + flat
-    with pytest.raises(ValueError, match="accepted: auto, dense, sum, gather, two_phase, hierarchical, rs_ag"):
+    with pytest.raises(ValueError, match="accepted: auto, dense, sum, gather, two_phase, hierarchical, rs_ag, majority"):
         planner.choose_scheme(gradcomp.Codec("int8"), 4096, "float32", 4, "nope")
     with pytest.raises(SystemExit):  # argparse: an unknown --scheme
         planner_cli.main(["--params", "1M", "--gpus", "2", "--scheme", "nope"])

@@ -45,9 +45,12 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from ..planner.cost import COLLECTIVES
 
-CODEC_KINDS = ("any", "linear")
-"""What a scheme's ``codecs`` may be: ``"any"`` codec, or only ``"linear"`` ones (a SUM on the
-wire: ``codec.properties["linear"]``)."""
+CODEC_KINDS = ("any", "linear", "sign")
+"""What a scheme's ``codecs`` may be: ``"any"`` codec, only ``"linear"`` ones (a SUM on the wire:
+``codec.properties["linear"]``), or only ``"sign"`` codecs (``onebit``: the majority vote counts
+their signs)."""
+
+_KIND_WORDS = {"linear": "a linear codec", "sign": "the onebit codec (signs)"}
 
 
 def _always(codec) -> bool:
@@ -161,8 +164,15 @@ class Scheme:
             raise ValueError(f"Scheme {self.name}: shown {bad} are not among its option_names")
 
     def accepts(self, codec) -> bool:
-        """Whether the scheme can run ``codec`` (a linear-only scheme needs a linear codec)."""
+        """Whether the scheme can run ``codec`` (a linear-only scheme needs a linear codec, a
+        sign scheme the onebit codec)."""
+        if self.codecs == "sign":
+            return codec.spec.partition(":")[0] == "onebit"
         return self.codecs == "any" or bool(codec.properties["linear"])
+
+    def needs(self) -> str:
+        """What the scheme's ``codecs`` kind asks for, in words (for the refusal of a codec)."""
+        return _KIND_WORDS.get(self.codecs, "any codec")
 
     def options(self, **given) -> dict:
         """The entries of ``given`` that are this scheme's layout options."""

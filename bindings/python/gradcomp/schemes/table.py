@@ -9,6 +9,7 @@ from ..planner import schemes as _planner_schemes
 from .allgather import GATHER
 from .allreduce import DENSE, SUM
 from .hierarchical import HIERARCHICAL
+from .majority import MAJORITY
 from .rs_ag import RS_AG
 from .two_phase import TWO_PHASE
 
@@ -19,6 +20,7 @@ TABLE = (
     TWO_PHASE,
     HIERARCHICAL,
     RS_AG,
+    MAJORITY,
 )
 """Every scheme, in order."""
 

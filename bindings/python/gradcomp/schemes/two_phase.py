@@ -152,13 +152,23 @@ def two_phase(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[
     return all_gather_phase(tensor, ctx, slots, probe, failed)
 
 
+def _sum_packets(ctx, dec, packets, ws) -> None:
+    """Step 4: decode the W packets of this rank's chunk in rank order into ``ctx.acc`` (zeroed
+    first; accumulate)."""
+    acc = ctx.acc[:ctx.chunks[ctx.rank][1]]
+    acc.zero_()
+    for p in packets:
+        dec.decode(p, out=acc, accumulate=True, workspace=ws)
+
+
 def reduce_scatter_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, probe=None,
-                         check=None) -> Optional[BaseException]:
+                         check=None, combine=_sum_packets) -> Optional[BaseException]:
     """Steps 1-4 of the module docstring, a compressed reduce-scatter: encode the W chunks of
     ``tensor`` (with the worker residual ``slots["residual"]``, divisor ``ctx.divisor``), one
-    ``all_to_all_single`` in the calling thread, and decode the W packets of this rank's chunk
-    in rank order into ``ctx.acc[:count]`` (float32, the sum over the ranks of chunk ``ctx.rank``
-    divided by the divisor; nothing for an empty chunk).
+    ``all_to_all_single`` in the calling thread, and ``combine(ctx, dec, packets, ws)`` the W
+    packets of this rank's chunk (rank order) into ``ctx.acc[:count]``: by default their decoded
+    sum (float32, the sum over the ranks of chunk ``ctx.rank`` divided by the divisor; the
+    ``majority`` scheme counts signs instead); nothing for an empty chunk.
 
     Returns:
         None, or the error of this rank's decode (a mismatched or corrupt packet): the caller
@@ -203,11 +213,8 @@ def reduce_scatter_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None,
         q1 = codec.packet_bytes(mine, dtype)
         check_headers(ctx.received, p1, [(j, mine) for j in range(W)], ctx.packet[ctx.rank * p1:],
                       _dtype_name(dtype), "scheme 'two_phase': the all-to-all of the chunk packets")
-        acc = ctx.acc[:mine]
-        acc.zero_()
         ws = dec.workspace(ctx.received, mine, "float32")
-        for j in range(W):
-            dec.decode(ctx.received[j * p1: j * p1 + q1], out=acc, accumulate=True, workspace=ws)
+        combine(ctx, dec, [ctx.received[j * p1: j * p1 + q1] for j in range(W)], ws)
         probe.decoded(ws)
         probe.tock("decode_s", t2)
     except Exception as e:  # noqa: BLE001 - re-raised through the Future after the all-gather

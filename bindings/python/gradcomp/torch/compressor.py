@@ -445,10 +445,13 @@ class Compressor(BaseCompressor):
             if name == "auto":
                 continue
             for c in self._ramp.all_codecs():
-                if not scheme_table.get(name).accepts(c):
+                sch = scheme_table.get(name)
+                if not sch.accepts(c):
                     where = "" if c is self.codec else " (a codec of the ramp)"
-                    raise ValueError(f"{arg}={name!r} needs a linear codec; {c.spec}{where} is not linear "
-                                     f"(use 'gather' or 'two_phase')")
+                    if sch.codecs == "linear":
+                        raise ValueError(f"{arg}={name!r} needs a linear codec; {c.spec}{where} is not linear "
+                                         f"(use 'gather' or 'two_phase')")
+                    raise ValueError(f"{arg}={name!r} needs {sch.needs()}; got {c.spec}{where}")
         world = dist.get_world_size(group)
         self.local_world_size = resolve_local_world_size(local_world_size, world, scheme)
         self._local_world_size_arg = local_world_size

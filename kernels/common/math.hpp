@@ -70,6 +70,13 @@ GRADCOMP_HD float add_raw(float a, float b) {
   return a + b;
 #endif
 }
+GRADCOMP_HD float sub_raw(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
 GRADCOMP_HD float mul_raw(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);

@@ -80,6 +80,49 @@ GRADCOMP_HD Ctr4x32 philox4x32_10(Ctr4x32 c, Key4x32 k) {
   return c;
 }
 
+#if !defined(__CUDACC__)
+//! Host batch form of philox4x32_10 for the keyed codecs' CPU loops: the four words of the groups
+//! g = g0 .. g0 + count - 1, each the call philox4x32_10({g mod 2^32, g >> 32, c2, c3}, key),
+//! into out[4 (g - g0) + w] (w = 0..3). The same rounds as philox4x32_10, written over 16
+//! counters at a time in structure-of-arrays form so that the compiler vectorizes the 32 x 32 ->
+//! 64-bit products (vpmuludq); bitwise the scalar function's results (tests/cpp/test_philox.cpp).
+inline void philox4x32_10_groups(uint64_t g0, int64_t count, uint32_t c2, uint32_t c3, Key4x32 key,
+                                 uint32_t* out) {
+  constexpr int L = 16;
+  for (int64_t b = 0; b < count; b += L) {
+    uint32_t x0[L], x1[L], x2[L], x3[L];
+    for (int l = 0; l < L; ++l) {
+      const uint64_t g = g0 + uint64_t(b + l);
+      x0[l] = uint32_t(g);
+      x1[l] = uint32_t(g >> 32);
+      x2[l] = c2;
+      x3[l] = c3;
+    }
+    uint32_t k0 = key[0], k1 = key[1];
+    for (int r = 0; r < kRounds; ++r) {
+#pragma omp simd
+      for (int l = 0; l < L; ++l) {
+        const uint64_t p0 = uint64_t(kM4x32_0) * x0[l], p1 = uint64_t(kM4x32_1) * x2[l];
+        const uint32_t n0 = uint32_t(p1 >> 32) ^ x1[l] ^ k0, n2 = uint32_t(p0 >> 32) ^ x3[l] ^ k1;
+        x0[l] = n0;
+        x1[l] = uint32_t(p1);
+        x2[l] = n2;
+        x3[l] = uint32_t(p0);
+      }
+      k0 += kW32_0;
+      k1 += kW32_1;
+    }
+    const int m = int(count - b < L ? count - b : L);
+    for (int l = 0; l < m; ++l) {
+      out[4 * (b + l) + 0] = x0[l];
+      out[4 * (b + l) + 1] = x1[l];
+      out[4 * (b + l) + 2] = x2[l];
+      out[4 * (b + l) + 3] = x3[l];
+    }
+  }
+}
+#endif
+
 //! Philox4x64 with 10 rounds (Random123's philox4x64_R(10, ctr, key)).
 GRADCOMP_HD Ctr4x64 philox4x64_10(Ctr4x64 c, Key4x64 k) {
   GRADCOMP_UNROLL

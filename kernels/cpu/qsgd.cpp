@@ -4,6 +4,7 @@
 // rule), the norm, then the codes from the block's Philox words (common/qsgd.hpp), D and the
 // residual; decode element-wise.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "../common/qsgd.hpp"
@@ -36,6 +37,7 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
     clock.arrive();
     alignas(64) float y[qsgd::kMaxBlock];
     alignas(64) float xp[qsgd::kMaxBlock];
+    alignas(64) uint32_t wbuf[qsgd::kMaxBlock + 8];
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < p.nblocks; ++b) {
       const int64_t lo = b * B, len = std::min(B, n - lo);
@@ -46,9 +48,15 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
         if constexpr (HasRes) v = add_rn(v, r[lo + t]);
         xp[t] = v;
         y[t] = Div1 ? v : div_rn(v, div);
-        nf |= uint32_t(!is_finite_bits(float_bits(y[t])));
-        const double d = double(y[t]);
-        lanes[t % common::kSumLanes] = common::dadd(lanes[t % common::kSumLanes], common::dmul(d, d));
+        nf |= uint32_t((float_bits(y[t]) & 0x7F800000u) == 0x7F800000u);
+      }
+      // lane l adds elements l, l + 32, ... in order: rows of 32 (vectorized across the lanes)
+      for (int64_t t0 = 0; t0 < len; t0 += common::kSumLanes) {
+        const int m = int(std::min<int64_t>(common::kSumLanes, len - t0));
+        for (int l = 0; l < m; ++l) {
+          const double d = double(y[t0 + l]);
+          lanes[l] = common::dadd(lanes[l], common::dmul(d, d));
+        }
       }
       const float norm = qsgd::block_norm(common::lane_tree(lanes), nf != 0);
       norms[b] = norm;
@@ -56,21 +64,40 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
       const float ratio = usable ? div_rn(levels, norm) : 0.0f;
       const float dscale = div_rn(norm, levels);
       flag |= uint32_t(!is_finite_bits(float_bits(norm)));
-      uint64_t cur = ~uint64_t(0);
-      philox::Ctr4x32 w{};
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t i = lo + t;
-        const uint64_t g = uint64_t(i) / qsgd::kGroup;
-        if (g != cur) {
-          w = qsgd::group_bits(key, g);
-          cur = g;
+      // the block's Philox words, element i's at wbuf[i - 4 g_lo] (one batch call per block)
+      const uint64_t glo = uint64_t(lo) / qsgd::kGroup;
+      if (!nf) {
+        const int64_t ng = int64_t((uint64_t(lo + len - 1) / qsgd::kGroup) - glo + 1);
+        philox::philox4x32_10_groups(glo, ng, key.c2, key.c3, {key.k0, key.k1}, wbuf);
+      }
+      if (!nf && is_finite_bits(float_bits(norm))) {
+        // every y, q, D and x' is finite here, so the plain float32 operations are the fixed
+        // expressions' (the NaN rule never applies): a branch-free loop the compiler vectorizes
+        const uint32_t* wb = wbuf + (lo - int64_t(4 * glo));
+        const int32_t L = p.levels;
+        int8_t* cb = codes + lo;
+        for (int64_t t = 0; t < len; ++t) {
+          const uint32_t yb = float_bits(y[t]);
+          const float q = common::mul_raw(ratio, bits_float(yb & 0x7FFFFFFFu));
+          const float l = std::floor(q);
+          const int32_t up = qsgd::uniform(wb[t]) < common::sub_raw(q, l) ? 1 : 0;
+          const int32_t level = std::min(int32_t(l) + up, L);
+          const int32_t c = (yb >> 31) ? -level : level;
+          cb[t] = int8_t(c);
+          if constexpr (HasRes) {
+            const float d = common::mul_raw(dscale, float(c));
+            r[lo + t] = Div1 ? common::sub_raw(xp[t], d) : common::sub_raw(xp[t], common::mul_raw(div, d));
+          }
         }
-        const uint32_t word = (i & 3) == 0 ? w[0] : (i & 3) == 1 ? w[1] : (i & 3) == 2 ? w[2] : w[3];
-        const int32_t c = nf ? 0 : qsgd::code(y[t], ratio, qsgd::uniform(word), p.levels);
-        codes[i] = int8_t(c);
-        if constexpr (HasRes) {
-          const float d = mul_rn(dscale, float(c));
-          r[i] = Div1 ? sub_rn(xp[t], d) : sub_rn(xp[t], mul_rn(div, d));
+      } else {
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t i = lo + t;
+          const int32_t c = nf ? 0 : qsgd::code(y[t], ratio, qsgd::uniform(wbuf[i - int64_t(4 * glo)]), p.levels);
+          codes[i] = int8_t(c);
+          if constexpr (HasRes) {
+            const float d = mul_rn(dscale, float(c));
+            r[i] = Div1 ? sub_rn(xp[t], d) : sub_rn(xp[t], mul_rn(div, d));
+          }
         }
       }
     }

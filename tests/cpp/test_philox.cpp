@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "common/philox.hpp"
 #include "ref.hpp"
@@ -31,6 +32,26 @@ TEST(Philox, KnownAnswers4x32) {
             (ph::Ctr4x32{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}));
   EXPECT_EQ(ph::philox4x32_10({0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, {0xa4093822u, 0x299f31d0u}),
             (ph::Ctr4x32{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}));
+}
+
+// The host batch form gives the scalar function's words for every group of a range (counters whose
+// low word wraps included) and any count, not a multiple of its 16 lanes too.
+TEST(Philox, GroupsBatchMatchesTheScalarCalls) {
+  std::mt19937_64 g(ref::test_seed() + 99);
+  for (int trial = 0; trial < 40; ++trial) {
+    const uint64_t g0 = trial % 3 == 0 ? 0xFFFFFFF0ull + uint64_t(trial) : g() >> (trial % 40);
+    const int64_t count = int64_t(g() % 70);
+    const uint32_t c2 = uint32_t(g()), c3 = uint32_t(g());
+    const gradcomp::philox::Key4x32 key{uint32_t(g()), uint32_t(g())};
+    std::vector<uint32_t> out(size_t(4 * count + 4), 0xDEADBEEFu);
+    gradcomp::philox::philox4x32_10_groups(g0, count, c2, c3, key, out.data());
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t gi = g0 + uint64_t(i);
+      const auto want = gradcomp::philox::philox4x32_10({uint32_t(gi), uint32_t(gi >> 32), c2, c3}, key);
+      for (int w = 0; w < 4; ++w) ASSERT_EQ(out[size_t(4 * i + w)], want[size_t(w)]) << "group " << gi << " word " << w;
+    }
+    for (int w = 0; w < 4; ++w) EXPECT_EQ(out[size_t(4 * count + w)], 0xDEADBEEFu);  // nothing past count
+  }
 }
 
 TEST(Philox, KnownAnswers4x64) {

@@ -137,4 +137,19 @@ GRADCOMP_HD float e8m0_to_float(uint8_t b) {
 //! Round to nearest even to an integer, for |q| < 2^22 (exact: the addition rounds in binary32).
 GRADCOMP_HD float round_half_even(float q) { return add_raw(add_raw(q, 12582912.0f), -12582912.0f); }
 
+//! The stochastic rounding of int8 / int4 (`rounding=stochastic`): with l = floor(q), the code is
+//! l + (u < fl(q - l)) clamped to [-kmax, kmax] (up with probability q - l: E[code] = q inside the
+//! range); q NaN (a block holding a non-finite value, whose scale is NaN) gives 0. q - l is exact
+//! (|q| < 2^23 here: |q| <= kmax up to a rounding).
+GRADCOMP_HD int32_t int_code_sr(float q, float u, float kmax) {
+  if (q != q) return 0;
+#if defined(__CUDA_ARCH__)
+  const float l = floorf(q);
+#else
+  const float l = __builtin_floorf(q);
+#endif
+  const float c = add_raw(l, u < add_raw(q, -l) ? 1.0f : 0.0f);
+  return int32_t(c > kmax ? kmax : (c < -kmax ? -kmax : c));
+}
+
 } // namespace gradcomp::common

@@ -25,10 +25,14 @@ const std::vector<RegistryEntry>& registry() {
       {"fp8", CodecId::fp8, {"format", "block", "scale"}, make_blockq,
        {"fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "fp8:block=0", "fp8:format=e5m2,block=17"},
        "float8 e4m3fn / e5m2 codes with a float32 (or OCP MX e8m0) scale per block (Micikevicius et al. 2022)"},
-      {"int8", CodecId::int8, {"block"}, make_blockq, {"int8", "int8:block=0", "int8:block=7"},
-       "symmetric int8 codes with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
-      {"int4", CodecId::int4, {"block"}, make_blockq, {"int4", "int4:block=0", "int4:block=6"},
-       "symmetric int4 codes, two per byte, with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023)"},
+      {"int8", CodecId::int8, {"block", "rounding"}, make_blockq,
+       {"int8", "int8:block=0", "int8:block=7", "int8:rounding=stochastic"},
+       "symmetric int8 codes with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023); rounding=stochastic: "
+       "keyed stochastic rounding of the codes"},
+      {"int4", CodecId::int4, {"block", "rounding"}, make_blockq,
+       {"int4", "int4:block=0", "int4:block=6", "int4:block=1026,rounding=stochastic"},
+       "symmetric int4 codes, two per byte, with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023); "
+       "rounding=stochastic: keyed stochastic rounding of the codes"},
       {"qsgd", CodecId::qsgd, {"levels", "block"}, make_qsgd,
        {"qsgd", "qsgd:levels=16", "qsgd:levels=1,block=7", "qsgd:block=4096"},
        "stochastic rounding to s levels of |x| / the block's L2 norm, int8 codes, a float32 norm per block, keyed "

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../common/keyed.hpp"
 #include "../common/quant.hpp"
 #include "../core/codecs/blockq.hpp"
 #include "isa.hpp"
@@ -161,6 +162,24 @@ void quantize(int64_t len, const float* __restrict xp, const float* __restrict y
   if constexpr (HasRes) residual_update<K, Div1>(len, xp, db, cb, div, r);
 }
 
+//! quantize() with the stochastic rounding of int8 / int4 (rounding=stochastic): element i0 + j's
+//! code is common::int_code_sr(fl(y / d), u_{i0 + j}) with the uniforms of common/keyed.hpp (one
+//! batch of Philox calls for the piece).
+template <QuantKind K, bool HasRes, bool Div1>
+void quantize_sr(int64_t len, int64_t i0, const float* __restrict xp, const float* __restrict yb,
+                 const float* __restrict db, float div, float* __restrict r, uint8_t* __restrict cb,
+                 const keyed::Key& key) {
+  static_assert(is_int(K), "stochastic rounding of the int codes only");
+  alignas(64) uint32_t wbuf[kLocal + 8];
+  const uint64_t glo = uint64_t(i0) / 4;
+  const int64_t ng = int64_t((uint64_t(i0 + len - 1) / 4) - glo + 1);
+  philox::philox4x32_10_groups(glo, ng, key.c2, key.c3, {key.k0, key.k1}, wbuf);
+  const uint32_t* wb = wbuf + (i0 - int64_t(4 * glo));
+  for (int64_t j = 0; j < len; ++j)
+    cb[j] = uint8_t(common::int_code_sr(div_rn(yb[j], db[j]), keyed::uniform(wb[j]), Quant<K>::kMax));
+  if constexpr (HasRes) residual_update<K, Div1>(len, xp, db, cb, div, r);
+}
+
 //! Whether a block leaves a non-finite new residual x' - div * D (D = code value * d), i.e. some x'
 //! is not finite (fp8: a NaN or inf code; int: the NaN scale), or the largest decoded value D, or
 //! div times it, overflows. The largest |code| is the code of amax / d (rounding is monotone and
@@ -238,8 +257,20 @@ template <bool Div1> const float* divide_piece(const float* __restrict xp, int64
   }
 }
 
+//! The codes of a piece: round to nearest (quantize) or, with `sr`, stochastically (quantize_sr).
+template <QuantKind K, bool HasRes, bool Div1>
+void quantize_piece(int64_t len, int64_t i0, const float* __restrict xp, const float* __restrict yb,
+                    const float* __restrict db, float div, float* __restrict r, uint8_t* __restrict cb,
+                    const keyed::Key* sr) {
+  if constexpr (is_int(K)) {
+    if (sr) return quantize_sr<K, HasRes, Div1>(len, i0, xp, yb, db, div, r, cb, *sr);
+  }
+  quantize<K, HasRes, Div1>(len, xp, yb, db, div, r, cb);
+}
+
 template <class In, QuantKind K, bool E8M0, bool HasRes, bool Div1>
-uint32_t encode_blocks(const BlockQPlan& p, const Src<In, HasRes, Div1>& src, uint8_t* codes, uint8_t* scales) {
+uint32_t encode_blocks(const BlockQPlan& p, const Src<In, HasRes, Div1>& src, uint8_t* codes, uint8_t* scales,
+                       const keyed::Key* sr) {
   const int64_t n = p.numel, B = p.block, nb = p.nblocks;
   const int T = p.threads;
   const float div = src.div;
@@ -273,7 +304,7 @@ uint32_t encode_blocks(const BlockQPlan& p, const Src<In, HasRes, Div1>& src, ui
           flag |= block_nonfinite<K>(amax, s, nonfinite != 0, div);
         }
         uint8_t* c = kDirect ? codes + i0 : cb;
-        quantize<K, HasRes, Div1>(len, xp, y, db, div, HasRes ? src.r + i0 : nullptr, c);
+        quantize_piece<K, HasRes, Div1>(len, i0, xp, y, db, div, HasRes ? src.r + i0 : nullptr, c, sr);
         if constexpr (!kDirect) store_codes<K>(codes, i0, len, cb);
       }
       clock.finish();
@@ -309,7 +340,8 @@ uint32_t encode_blocks(const BlockQPlan& p, const Src<In, HasRes, Div1>& src, ui
         const int64_t j0 = i0 + q * kLocal, m = std::min(kLocal, i0 + len - j0);
         const float* xp = load_piece(src, j0, m, xb);
         uint8_t* c = kDirect ? codes + j0 : cb;
-        quantize<K, HasRes, Div1>(m, xp, divide_piece<Div1>(xp, m, div, yb), db, div, HasRes ? src.r + j0 : nullptr, c);
+        quantize_piece<K, HasRes, Div1>(m, j0, xp, divide_piece<Div1>(xp, m, div, yb), db, div,
+                                        HasRes ? src.r + j0 : nullptr, c, sr);
         if constexpr (!kDirect) store_codes<K>(codes, j0, m, cb);
       }
     }
@@ -322,16 +354,18 @@ template <QuantKind K, bool E8M0> void encode_k(const BlockQPlan& p, const Encod
   uint8_t* codes = a.packet + p.layout.sections[0].offset;
   uint8_t* scales = a.packet + p.layout.sections[1].offset;
   uint32_t flag = 0;
+  const keyed::Key key = keyed::derive(kIntSrTag, a.ctx.seed, a.ctx.step, a.ctx.bucket, a.ctx.chunk);
+  const keyed::Key* sr = p.stochastic ? &key : nullptr;
   dispatch_float(p.input, [&](auto in) {
     using In = decltype(in);
     const auto* xs = a.x.ptr<const typename In::storage>();
     const bool div1 = a.divisor == 1.0f;
     if (a.residual) {
-      flag = div1 ? encode_blocks<In, K, E8M0, true, true>(p, Src<In, true, true>{xs, a.residual, a.divisor}, codes, scales)
-                  : encode_blocks<In, K, E8M0, true, false>(p, Src<In, true, false>{xs, a.residual, a.divisor}, codes, scales);
+      flag = div1 ? encode_blocks<In, K, E8M0, true, true>(p, Src<In, true, true>{xs, a.residual, a.divisor}, codes, scales, sr)
+                  : encode_blocks<In, K, E8M0, true, false>(p, Src<In, true, false>{xs, a.residual, a.divisor}, codes, scales, sr);
     } else {
-      flag = div1 ? encode_blocks<In, K, E8M0, false, true>(p, Src<In, false, true>{xs, nullptr, a.divisor}, codes, scales)
-                  : encode_blocks<In, K, E8M0, false, false>(p, Src<In, false, false>{xs, nullptr, a.divisor}, codes, scales);
+      flag = div1 ? encode_blocks<In, K, E8M0, false, true>(p, Src<In, false, true>{xs, nullptr, a.divisor}, codes, scales, sr)
+                  : encode_blocks<In, K, E8M0, false, false>(p, Src<In, false, false>{xs, nullptr, a.divisor}, codes, scales, sr);
     }
   }, "blockq: input");
   finish_packet(a.packet, p.layout, flag ? kFlagNonFinite : 0, a.ctx);

@@ -26,6 +26,7 @@
 // Element-wise loops find data blocks with a BlockCursor (common.cuh): one division per thread,
 // then additions; no per-element division. Grids: one wave of each kernel (occupancy x SMs,
 // wave_blocks); no result depends on the grid size.
+#include "../common/keyed.hpp"
 #include "../common/quant.hpp"
 #include "../core/codecs/blockq.hpp"
 #include "common.cuh"
@@ -90,6 +91,8 @@ struct EncArgs {
   uint32_t* amax;   //!< two-pass path: [nblocks] amax bits, then [nblocks] non-finite bits
   PacketLayout layout;
   EncodeContext ctx;
+  int sr;           //!< int8 / int4 rounding=stochastic: codes from common::int_code_sr
+  keyed::Key key;   //!< its stream (derived once on the host, tag kIntSrTag)
 };
 
 //! The scale of a data block from its amax bits and non-finite bit; writes it into the packet.
@@ -177,9 +180,22 @@ __device__ uint32_t quantize_quad(const EncArgs& a, int64_t i, int nv, bool vec,
   uint32_t c[kQuad];
   float rn[kQuad];
   uint32_t nf = 0;
+  // rounding=stochastic: element i + j's word, from the groups (i + j) / 4 (the quad may straddle two)
+  philox::Ctr4x32 wa{}, wb{};
+  if (is_int(K) && a.sr) {
+    wa = keyed::group_bits(a.key, uint64_t(i) / 4);
+    if ((i & 3) != 0) wb = keyed::group_bits(a.key, uint64_t(i) / 4 + 1);
+  }
 #pragma unroll
   for (int j = 0; j < kQuad; ++j) {
-    c[j] = (is_int(K) && nfb[j]) || j >= nv ? 0u : DQ<K>::code(div_rn(y[j], d[j]));
+    if (is_int(K) && a.sr) {
+      const int64_t e = (i & 3) + j;
+      const uint32_t word = e < 4 ? keyed::word_of(wa, e) : keyed::word_of(wb, e - 4);
+      c[j] = nfb[j] || j >= nv ? 0u
+                               : uint32_t(common::int_code_sr(div_rn(y[j], d[j]), keyed::uniform(word), DQ<K>::kMax));
+    } else {
+      c[j] = (is_int(K) && nfb[j]) || j >= nv ? 0u : DQ<K>::code(div_rn(y[j], d[j]));
+    }
     const float dv = mul_rn(DQ<K>::value(c[j]), d[j]);
     rn[j] = a.div1 ? sub_rn(xp[j], dv) : sub_rn(xp[j], mul_rn(a.div, dv));
     if (j < nv) nf |= nonfinite_bit(rn[j]);  // x' or D or div * D non-finite (CPU: block_nonfinite)
@@ -533,6 +549,8 @@ void encode(const BlockQPlan& p, const EncodeArgs& args) {
   a.amax = reinterpret_cast<uint32_t*>(ws + kAmaxOffset);
   a.layout = p.layout;
   a.ctx = args.ctx;
+  a.sr = p.stochastic;
+  a.key = keyed::derive(kIntSrTag, args.ctx.seed, args.ctx.step, args.ctx.bucket, args.ctx.chunk);
   // x of float16/bfloat16 is read 4 elements (8 bytes) at a time: 8-byte alignment suffices there
   if (p.input != DType::float32)
     a.vec = (reinterpret_cast<uintptr_t>(args.x.data) % 8 == 0) && (args.residual == nullptr || aligned16(args.residual));

@@ -27,6 +27,12 @@ class BlockQCodec final : public FamilyCodec<BlockQPlan> {
         throw InvalidArgument(concat("codec spec '", s.text, "': scale='", display(it->second, 60),
                                      "' is not accepted; accepted: float32, e8m0"));
     }
+    if (auto it = s.options.find("rounding"); it != s.options.end()) {  // int8 / int4 only (the registry's keys)
+      if (it->second == "stochastic") stochastic_ = true;
+      else if (it->second != "nearest")
+        throw InvalidArgument(concat("codec spec '", s.text, "': rounding='", display(it->second, 60),
+                                     "' is not accepted; accepted: nearest (default), stochastic"));
+    }
     const int64_t default_block = e8m0_ ? 32 : 128;
     block_ = default_block;
     if (auto it = s.options.find("block"); it != s.options.end()) {
@@ -42,14 +48,18 @@ class BlockQCodec final : public FamilyCodec<BlockQPlan> {
     if (fp8 && kind_ == QuantKind::e5m2) c.add("format", "e5m2");
     if (block_ != default_block) c.add("block", block_);
     if (e8m0_) c.add("scale", "e8m0");
+    if (stochastic_) c.add("rounding", "stochastic");
     set_spec(c.str());
   }
   CodecProperties properties() const noexcept override {
     CodecProperties p;
     p.linear = false;
-    p.unbiased = false;
+    p.unbiased = stochastic_;  // E[code] = q inside the code range (common::int_code_sr)
     p.deterministic = true;
-    p.exact_residual = true;  // D is a rounding of x' on the block's grid: x' - D is exact (Sterbenz)
+    // nearest: D is a rounding of x' on the block's grid, x' - D is exact (Sterbenz); stochastic:
+    // D may be the far neighbour, and x' - D then need not be exact
+    p.exact_residual = !stochastic_;
+    p.keyed = stochastic_;
     return p;
   }
   int64_t main_param(int64_t n) const override {
@@ -63,6 +73,7 @@ class BlockQCodec final : public FamilyCodec<BlockQPlan> {
     p.input = in;
     p.kind = kind_;
     p.e8m0 = e8m0_;
+    p.stochastic = stochastic_;
     p.numel = n;
     p.block = block_ == 0 ? std::max<int64_t>(n, 1) : block_;
     p.nblocks = (n + p.block - 1) / p.block;
@@ -75,6 +86,7 @@ class BlockQCodec final : public FamilyCodec<BlockQPlan> {
     b.wire(code).main_param(block_);
     b.section("codes", n, code);
     b.section("scales", p.nblocks, e8m0_ ? DType::float8_e8m0fnu : DType::float32);
+    if (stochastic_) b.key();
     p.layout = b.build();
     return p;
   }
@@ -83,6 +95,7 @@ class BlockQCodec final : public FamilyCodec<BlockQPlan> {
  private:
   QuantKind kind_ = QuantKind::e4m3;
   bool e8m0_ = false;
+  bool stochastic_ = false; //!< int8 / int4 rounding=stochastic (keyed)
   int64_t block_ = 128;
 };
 

@@ -12,7 +12,9 @@
 //         fl(amax / max_finite)), never 0 (an all-zero block has d = 1, byte 127);
 //   int8 / int4 (symmetric; ZeRO++ qwZ/qgZ-like blocks, Wang et al. 2023): d = fl(amax / 127) (/ 7),
 //         code = RNE(fl(y / d)) clamped to [-127, 127] ([-7, 7]); int4 packs two codes per byte, low
-//         nibble first; a block holding a non-finite value gets d = NaN and all-zero codes.
+//         nibble first; a block holding a non-finite value gets d = NaN and all-zero codes;
+//         rounding=stochastic (keyed): code = floor(q) + (u < q - floor(q)) clamped, u from
+//         Philox4x32-10 words of the EncodeContext (common/keyed.hpp, common::int_code_sr).
 // Decode: D = fl(float(code) * d). The residual keeps r_new = fl(x' - D) (fl(x' - fl(divisor * D))).
 // The header's non-finite flag is set exactly when some r_new is not finite (x', D or divisor * D
 // non-finite: a non-finite input, or a block near FLT_MAX whose decoded values overflow).
@@ -30,12 +32,17 @@ struct BlockQPlan {
   DType input = DType::float32;
   QuantKind kind = QuantKind::e4m3;
   bool e8m0 = false;        //!< power-of-two scales stored as float8_e8m0fnu bytes
+  bool stochastic = false;  //!< int8 / int4 rounding=stochastic: codes from common::int_code_sr with
+                            //!< the uniforms of kernels/common/keyed.hpp (tag kIntSrTag); a key section
   int64_t numel = 0;
   int64_t block = 0;        //!< elements per block, numel for block=0 (the whole tensor)
   int64_t nblocks = 0;      //!< ceil(numel / block)
   int threads = 1;          //!< CPU threads of this call
   PacketLayout layout;      //!< section 0: codes, section 1: scales
 };
+
+//! Counter word 3 of the int8 / int4 stochastic rounding's stream: ASCII "INTR" read big-endian.
+inline constexpr uint32_t kIntSrTag = 0x494E5452u;
 
 //! The largest finite code magnitude of `k` (448, 57344, 127, 7).
 inline float quant_max(QuantKind k) {

@@ -22,11 +22,11 @@ ENGINES = ("ddp", "fsdp2")
 # --full only since the charlm method rows came (each reads as its neighbours: top-k 0.1 = dense on
 # digits, PowerSGD rank 2 between top-k 1% and rank 4)
 DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.01", "topk:ratio=0.001", "fp8", "int8", "int4", "onebit"]
-# random-k 1% and QSGD s=16 are --full only: with error feedback on and off over 2 seeds they would
-# add about a minute to the default's 4 (each digits run is 6-7 s on 2 cores)
+# random-k 1%, QSGD s=16 and TernGrad are --full only: with error feedback on and off over 2 seeds
+# they would add about a minute and a half to the default's 4 (each digits run is 6-7 s on 2 cores)
 DIGITS_FULL_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
                       "randomk:ratio=0.01", "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4",
-                      "qsgd:levels=16", "onebit"]
+                      "qsgd:levels=16", "terngrad", "onebit"]
 
 CHARLM_CODECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:rank=4"]
 CHARLM_FULL_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "int8",
@@ -224,12 +224,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "of an MLP on scikit-learn digits, validation bits per character of a character-level "
                     "LSTM on the Python standard library's source.",
         epilog="Default: both tasks, a sweep that fits in 5 minutes on 2 cores; --full: the whole sweeps "
-               "(digits 57 runs, charlm 60).")
+               "(digits 63 runs, charlm 60).")
     p.add_argument("--task", default="all",
                    help="tasks to run, comma-separated: digits, charlm, or all (= digits,charlm; default)")
     p.add_argument("--full", action="store_true",
-                   help="the whole sweeps: digits 14 codecs (with the fp8 variants e5m2 and e8m0, random-k 1%% and "
-                        "QSGD s=16), 3 seeds and 2 per optimizer row (57 runs); charlm 13 codecs (PowerSGD at ranks 1, 2, 4, 8), error "
+                   help="the whole sweeps: digits 15 codecs (with the fp8 variants e5m2 and e8m0, random-k 1%%, "
+                        "QSGD s=16 and TernGrad), 3 seeds and 2 per optimizer row (63 runs); charlm 13 codecs (PowerSGD at ranks 1, 2, 4, 8), error "
                         "feedback on and off, 2 seeds (50 runs), and the method rows over 2 seeds (10 runs)")
     p.add_argument("--workers", type=int, default=4, help="DDP processes (default 4)")
     p.add_argument("--engine", choices=ENGINES, default="ddp",
@@ -244,7 +244,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--codecs", default=None,
                    help="codec specs separated by ';' (a spec itself may hold commas, e.g. "
                         "'topk:k=50,value_dtype=float16'; 'powersgd:rank=R' for the low-rank hook). digits: "
-                        + ";".join(DEFAULT_CODECS) + " (--full: also topk:ratio=0.1;randomk:ratio=0.01;fp8:format=e5m2;fp8:scale=e8m0;qsgd:levels=16). charlm: "
+                        + ";".join(DEFAULT_CODECS) + " (--full: also topk:ratio=0.1;randomk:ratio=0.01;fp8:format=e5m2;fp8:scale=e8m0;qsgd:levels=16;terngrad). "
+                        "charlm: "
                         + ";".join(CHARLM_CODECS)
                         + " (--full: " + ";".join(CHARLM_FULL_CODECS) + ")")
     g.add_argument("--ef", choices=["both", "on", "off", "auto"], default=None,

@@ -21,7 +21,8 @@ Stages, in order (cap in seconds):
   5 convert    (60)  CudaConvertAll: all 2^32 float32 patterns through the device fp8 / fp16 / bf16
                      conversions against the host references
   6 pytest    (120)  test_cuda.py, the CUDA cases of test_lowrank / test_stochastic_rounding /
-                     test_fsdp, and the codec contract suite on CUDA
+                     test_fsdp / the keyed codecs' tests (randomk, qsgd, terngrad, int8 / int4
+                     stochastic rounding), and the codec contract suite on CUDA
   7 huge       (90)  n >= 2^31 elements: CudaHuge.* (int4, fp8, onebit on bfloat16 with a residual,
                      n = 2^31 + 4099) and the 2^31 / 2^32 top-k tests
   8 sanitizer  (75)  compute-sanitizer memcheck and racecheck on the blockq, onebit and lowrank
@@ -436,7 +437,10 @@ class Run:
         runs = [("test_cuda", ["tests/python/test_cuda.py"]),
                 ("test_lowrank_cuda", ["tests/python/test_lowrank.py", "-k", "cuda"]),
                 ("test_stochastic_rounding_cuda", ["tests/python/test_stochastic_rounding.py", "-k", "cuda"]),
-                ("test_fsdp_cuda", ["tests/python/test_fsdp.py", "-k", "cuda"])]
+                ("test_fsdp_cuda", ["tests/python/test_fsdp.py", "-k", "cuda"]),
+                # the keyed codecs: CUDA packets and residuals against the CPU's
+                ("test_keyed_cuda", ["tests/python/test_randomk.py", "tests/python/test_qsgd.py",
+                                     "tests/python/test_terngrad.py", "tests/python/test_int_sr.py", "-k", "cuda"])]
         for log, args in runs:
             xml = os.path.join(self.work, "xml", log + ".xml")
             rc = self.sh([self.py, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"],

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // One 32-bit Philox4x32-10 word per element from an encode key, shared by the CPU and CUDA
-// backends (the stochastic rounding of int8 / int4, docs/contracts.md section 3): for EncodeContext
+// backends (int8 / int4 rounding=stochastic, qsgd, terngrad; docs/contracts.md section 3): for EncodeContext
 // {seed, step, bucket, chunk} and a 32-bit tag naming the use,
 //   (m0, m1, m2, m3) = philox4x32_10({step, bucket, chunk, tag}, {seed mod 2^32, seed >> 32})
 //   element i: group g = i / 4, (w0, w1, w2, w3) = philox4x32_10({g mod 2^32, g >> 32, m2, m3},
 //   {m0, m1}), R_i = w[i mod 4]; its uniform u_i = (R_i >> 8) * 2^-24 in [0, 1) (exact in float32).
-// (qsgd and terngrad use the same shape with their own tags: kernels/common/qsgd.hpp, terngrad.hpp.)
+// qsgd and terngrad draw theirs through it too, with their own tags (kernels/common/qsgd.hpp,
+// terngrad.hpp).
 #pragma once
 
 #include <cstdint>

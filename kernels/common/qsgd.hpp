@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "math.hpp"
+#include "keyed.hpp"
 #include "philox.hpp"
 
 namespace gradcomp::qsgd {
@@ -38,24 +39,14 @@ inline constexpr int kGroup = 4;
 inline constexpr int64_t kMaxBlock = 4096;
 inline constexpr int kMaxLevels = 127;
 
-struct Key {
-  uint32_t k0, k1;
-  uint32_t c2, c3;
-};
+using Key = keyed::Key;
 
+//! The stream of an encode (step 1 above): kernels/common/keyed.hpp's derivation with kQsgdTag.
 GRADCOMP_HD Key derive(uint64_t seed, uint32_t step, uint32_t bucket, uint32_t chunk) {
-  const philox::Ctr4x32 m =
-      philox::philox4x32_10({step, bucket, chunk, kQsgdTag}, {uint32_t(seed), uint32_t(seed >> 32)});
-  return Key{m[0], m[1], m[2], m[3]};
+  return keyed::derive(kQsgdTag, seed, step, bucket, chunk);
 }
-
-//! The four 32-bit words of group g (elements 4g .. 4g + 3).
-GRADCOMP_HD philox::Ctr4x32 group_bits(const Key& k, uint64_t g) {
-  return philox::philox4x32_10({uint32_t(g), uint32_t(g >> 32), k.c2, k.c3}, {k.k0, k.k1});
-}
-
-//! The uniform in [0, 1) of a 32-bit word: its top 24 bits times 2^-24 (exact in float32).
-GRADCOMP_HD float uniform(uint32_t word) { return float(word >> 8) * 5.9604644775390625e-08f; }
+using keyed::group_bits;
+using keyed::uniform;
 
 //! The block's norm from its fixed-order sum S of y^2: fl32(sqrt(S)); NaN for a block with a
 //! non-finite y (`nonfinite`).

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "math.hpp"
+#include "keyed.hpp"
 #include "philox.hpp"
 #include "reduce.hpp"
 
@@ -35,24 +36,14 @@ namespace gradcomp::terngrad {
 inline constexpr uint32_t kTernTag = 0x5445524Eu;
 inline constexpr int kGroup = 4; //!< elements per Philox call, and per code byte
 
-struct Key {
-  uint32_t k0, k1;
-  uint32_t c2, c3;
-};
+using Key = keyed::Key;
 
+//! The stream of an encode (step 1 above): kernels/common/keyed.hpp's derivation with kTernTag.
 GRADCOMP_HD Key derive(uint64_t seed, uint32_t step, uint32_t bucket, uint32_t chunk) {
-  const philox::Ctr4x32 m =
-      philox::philox4x32_10({step, bucket, chunk, kTernTag}, {uint32_t(seed), uint32_t(seed >> 32)});
-  return Key{m[0], m[1], m[2], m[3]};
+  return keyed::derive(kTernTag, seed, step, bucket, chunk);
 }
-
-//! The four words of group g (elements 4g .. 4g + 3, one code byte).
-GRADCOMP_HD philox::Ctr4x32 group_bits(const Key& k, uint64_t g) {
-  return philox::philox4x32_10({uint32_t(g), uint32_t(g >> 32), k.c2, k.c3}, {k.k0, k.k1});
-}
-
-//! The uniform in [0, 1) of a 32-bit word: its top 24 bits times 2^-24 (exact in float32).
-GRADCOMP_HD float uniform(uint32_t word) { return float(word >> 8) * 5.9604644775390625e-08f; }
+using keyed::group_bits;
+using keyed::uniform;
 
 //! clip = fl32(c * sigma) from the sums (binary64, operations spelled out: no contraction).
 GRADCOMP_HD float clip_threshold(double S1, double S2, int64_t n, double c) {

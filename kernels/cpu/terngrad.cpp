@@ -12,7 +12,6 @@
 
 #include "../common/terngrad.hpp"
 #include "../core/codecs/terngrad.hpp"
-#include "gradcomp/error.hpp"
 #include "isa.hpp"
 #include "parallel.hpp"
 
@@ -181,9 +180,9 @@ void decode(const TernGradPlan& p, const DecodeArgs& a) {
     const uint32_t b = codes[j];
     if (((b & 0xAAu) & ~((b & 0x55u) << 1)) != 0u) bad = j;
   }
-  if (bad >= 0) {
-    throw CorruptPacket(concat("terngrad packet: code byte ", bad, " holds the 2-bit pattern 10, which no encoder "
-                               "writes (accepted: 00, 01, 11)"));
+  if (bad >= 0) {  // (throw_corrupt_packet: defined once in the core, no exception code in the ISA variants)
+    throw_corrupt_packet("terngrad packet: code byte %lld holds the 2-bit pattern 10, which no encoder writes "
+                         "(accepted: 00, 01, 11)", (long long)bad);
   }
   const bool acc = a.mode == DecodeMode::accumulate;
   const float alpha = a.alpha;

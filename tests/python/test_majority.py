@@ -68,6 +68,7 @@ def test_majority_matches_the_vote(world, n):
         assert (votes == 0).any() and np.all(got[votes == 0] > 0), "ties go to +"
 
 
+@pytest.mark.slow  # 3 ranks
 def test_majority_with_error_feedback_runs_several_steps():
     res = run(3, job_majority, 3000, True, 3)
     for step in range(3):

@@ -73,8 +73,8 @@ def majority(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[s
         one returns ``tensor`` as is (no vote to take).
 
     Raises:
-        As :func:`gradcomp.schemes.two_phase.two_phase` (every error names scheme 'two_phase''s
-        collectives, which this scheme issues).
+        As :func:`gradcomp.schemes.two_phase.two_phase`, whose collectives this scheme issues (their
+        errors name them as scheme 'two_phase''s).
     """
     if ctx.world_size == 1 or tensor.numel() == 0:
         return completed(tensor)

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "spec.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 
@@ -122,5 +123,36 @@ CanonicalSpec& CanonicalSpec::add(std::string_view key, std::string_view value) 
 }
 CanonicalSpec& CanonicalSpec::add(std::string_view key, int64_t value) { return add(key, std::to_string(value)); }
 CanonicalSpec& CanonicalSpec::add(std::string_view key, double value) { return add(key, format_double(value)); }
+
+SparseCount SparseCount::parse(const ParsedSpec& s, std::string_view codec) {
+  SparseCount c;
+  const bool has_ratio = s.options.count("ratio") > 0;
+  c.has_k = s.options.count("k") > 0;
+  GRADCOMP_CHECK(has_ratio != c.has_k, InvalidArgument, "codec spec '", s.text, "': ", codec,
+                 " needs exactly one of ratio= (in (0, 1]) or k= (an integer >= 0)");
+  if (has_ratio) {
+    const std::string& v = s.options.find("ratio")->second;
+    c.ratio = parse_double(s, "ratio", v, "0 < ratio <= 1");
+    GRADCOMP_CHECK(c.ratio > 0.0 && c.ratio <= 1.0, InvalidArgument, "codec spec '", s.text, "': ratio=",
+                   display(v, 60), " is out of range; accepted: 0 < ratio <= 1");
+  } else {
+    const std::string& v = s.options.find("k")->second;
+    c.k = parse_int(s, "k", v, "an integer >= 0");
+    GRADCOMP_CHECK(c.k >= 0, InvalidArgument, "codec spec '", s.text, "': k=", display(v, 60),
+                   " is out of range; accepted: an integer >= 0");
+  }
+  return c;
+}
+
+int64_t SparseCount::of(int64_t n) const {
+  if (has_k) return std::min(k, n);
+  const double kk = std::ceil(ratio * static_cast<double>(n));
+  return std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(kk)));
+}
+
+void SparseCount::add_to(CanonicalSpec& c) const {
+  if (has_k) c.add("k", k);
+  else c.add("ratio", ratio);
+}
 
 } // namespace gradcomp::detail

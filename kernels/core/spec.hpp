@@ -56,4 +56,17 @@ class CanonicalSpec {
   bool any_ = false;
 };
 
+//! The `ratio=r` / `k=K` choice of the sparsifiers (topk, randomk): exactly one of ratio in (0, 1]
+//! or k >= 0. InvalidArgument otherwise, naming the codec, the value and what is accepted.
+struct SparseCount {
+  bool has_k = false;
+  double ratio = 0;
+  int64_t k = 0;
+  static SparseCount parse(const ParsedSpec& s, std::string_view codec);
+  //! k of n elements: min(n, max(1, ceil(ratio * n))) in binary64, or min(k=, n).
+  int64_t of(int64_t n) const;
+  //! Its key first: k= or ratio= (the canonical order of both families).
+  void add_to(CanonicalSpec& c) const;
+};
+
 } // namespace gradcomp::detail

@@ -15,21 +15,7 @@ enum class IndexMode { automatic, u32, u64 };
 class TopKCodec final : public FamilyCodec<TopKPlan> {
  public:
   explicit TopKCodec(const ParsedSpec& s) {
-    const bool has_ratio = s.options.count("ratio") > 0;
-    has_k_ = s.options.count("k") > 0;
-    GRADCOMP_CHECK(has_ratio != has_k_, InvalidArgument, "codec spec '", s.text,
-                   "': topk needs exactly one of ratio= (in (0, 1]) or k= (an integer >= 0)");
-    if (has_ratio) {
-      const std::string& v = s.options.find("ratio")->second;
-      ratio_ = parse_double(s, "ratio", v, "0 < ratio <= 1");
-      GRADCOMP_CHECK(ratio_ > 0.0 && ratio_ <= 1.0, InvalidArgument, "codec spec '", s.text, "': ratio=",
-                     display(v, 60), " is out of range; accepted: 0 < ratio <= 1");
-    } else {
-      const std::string& v = s.options.find("k")->second;
-      k_ = parse_int(s, "k", v, "an integer >= 0");
-      GRADCOMP_CHECK(k_ >= 0, InvalidArgument, "codec spec '", s.text, "': k=", display(v, 60),
-                     " is out of range; accepted: an integer >= 0");
-    }
+    count_ = SparseCount::parse(s, "topk");
     if (auto it = s.options.find("index"); it != s.options.end()) {
       if (it->second == "auto") index_ = IndexMode::automatic;
       else if (it->second == "u32") index_ = IndexMode::u32;
@@ -47,8 +33,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
                                      "' is not accepted; accepted: auto, float32, float16, bfloat16"));
     }
     CanonicalSpec c("topk");
-    if (has_k_) c.add("k", k_);
-    else c.add("ratio", ratio_);
+    count_.add_to(c);
     if (index_ == IndexMode::u32) c.add("index", "u32");
     if (index_ == IndexMode::u64) c.add("index", "u64");
     if (value_ != DType::none) c.add("value_dtype", dtype_name(value_));
@@ -67,9 +52,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
   //! k = min(n, max(1, ceil(ratio * n))) in binary64, or min(k=, n).
   int64_t main_param(int64_t n) const override {
     check_numel_dtype(n, DType::float32, "main_param");
-    if (has_k_) return std::min(k_, n);
-    const double k = std::ceil(ratio_ * static_cast<double>(n));
-    return std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(k)));
+    return count_.of(n);
   }
 
  protected:
@@ -103,9 +86,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
     return n > kU32Limit ? DType::uint64 : DType::uint32;
   }
 
-  bool has_k_ = false;
-  double ratio_ = 0;
-  int64_t k_ = 0;
+  SparseCount count_;
   IndexMode index_ = IndexMode::automatic;
   DType value_ = DType::none; //!< none: the input dtype
 };

@@ -19,7 +19,8 @@ Submodules (the names of bytes, choice, cost, step and figures are re-exported h
     collectives' bytes, the byte formulas of each scheme (``bucket_bytes``, ``scheme_steps``,
     ``two_phase_slots``, ``hierarchical_*``), FSDP2's reduce-scatter (``fsdp_shard_rows``,
     ``fsdp_rows``, ``fsdp_exempt``, ``fsdp_slot``, ``fsdp_reduce_scatter_bytes``), where a
-    collective's bytes go per link level and per node (``level_bytes``), the 1-bit allreduce
+    collective's bytes go per link level and per node (``level_bytes``) and between which ranks
+    (``traffic_matrix``), the 1-bit allreduce
     and PowerSGD, ``summarize``, the kernels' compulsory memory traffic (``encode_traffic_bytes``,
     ``decode_traffic_bytes``), and ``SCHEMES`` / ``ALL_SCHEMES``;
   - :mod:`gradcomp.planner.choice`: the ``auto`` choice (``choose_scheme``, ``bytes_choice``,
@@ -81,7 +82,8 @@ from .bytes import (  # noqa: F401
     _DTYPE_BYTES, FSDP_TRAILER_BYTES, all_gather_bytes, bucket_bytes, chunk, chunk_size, decode_traffic_bytes,
     dense_bytes, dtype_bytes, encode_traffic_bytes, fsdp_exempt, fsdp_reduce_scatter_bytes, fsdp_rows, fsdp_shard_rows,
     fsdp_slot, hierarchical_bytes, hierarchical_groups, hierarchical_steps, level_bytes, onebit_allreduce_bytes,
-    payload_bytes, powersgd_bytes, powersgd_rank, ring_allreduce_bytes, scheme_steps, summarize, two_phase_slots,
+    payload_bytes, powersgd_bytes, powersgd_rank, ring_allreduce_bytes, scheme_steps, summarize, traffic_matrix,
+    two_phase_slots,
 )
 from .cost import (  # noqa: F401
     _DEFAULT_EFFICIENCY, _RATE_UNITS, _SPARSE_EFFICIENCY, COLLECTIVES, DEVICE_BYTES_PER_S, LINK_LEVELS, CostModel,
@@ -110,7 +112,7 @@ __all__ = [
     "chunk_size", "two_phase_slots", "payload_bytes", "bucket_bytes", "scheme_steps", "hierarchical_groups",
     "hierarchical_steps", "hierarchical_bytes", "onebit_allreduce_bytes", "powersgd_rank", "powersgd_bytes",
     "summarize", "encode_traffic_bytes", "decode_traffic_bytes", "FSDP_TRAILER_BYTES", "fsdp_shard_rows", "fsdp_slot",
-    "fsdp_reduce_scatter_bytes", "fsdp_exempt", "fsdp_rows", "level_bytes",
+    "fsdp_reduce_scatter_bytes", "fsdp_exempt", "fsdp_rows", "level_bytes", "traffic_matrix",
     # choice
     "choose_scheme", "bytes_choice", "hierarchical_inner", "choice_report",
     # cost

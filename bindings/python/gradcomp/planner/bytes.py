@@ -5,7 +5,7 @@ and a decode (the floor ``gradcomp-bench`` divides by copy bandwidth). The formu
 sources are in :mod:`gradcomp.planner`'s docstring. Pure functions of rank-shared inputs.
 """
 
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 from ..codec import _dtype_name
 from . import schemes as _schemes
@@ -420,6 +420,56 @@ def scheme_steps(scheme: str, codec, numel: int, dtype: Any, world_size: int, **
         ValueError: an unknown scheme (the accepted names are in the message).
     """
     return _schemes.get(scheme).steps(codec, numel, dtype, world_size, **options)
+
+
+_RING_COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
+
+
+def traffic_matrix(steps, world_size: int, local_world_size: int = 0) -> List[List[float]]:
+    """Bytes each rank sends to each other rank in the collectives ``steps`` (``[(level,
+    collective, nbytes, ranks, sent_bytes)]``, what :func:`scheme_steps` returns for one bucket;
+    every rank of a step's group sends its ``sent_bytes``), as the cost model runs them:
+
+      - the group of a step: ``"flat"`` all W ranks; ``"intra"`` the L ranks of a node (rank r
+        on node r // L); ``"inter"`` the ranks of one local rank (r % L), one per node;
+      - a ring collective (allreduce, reduce_scatter, all_gather) sends all of a rank's
+        ``sent_bytes`` to its successor in the group (members in rank order, the last one's
+        successor the first);
+      - an ``all_to_all`` splits them evenly over the group's other members.
+
+    Returns a W x W list of floats, ``M[i][j]`` = bytes rank i sends to rank j (``M[i][i]`` = 0;
+    each row sums to the ranks' total ``sent_bytes``). For W = 2 every model agrees: each rank
+    sends everything to the other.
+
+    Raises:
+        ValueError: an unknown level or collective; an ``"intra"`` / ``"inter"`` step without a
+            ``local_world_size`` dividing W.
+    """
+    W, L = int(world_size), int(local_world_size)
+    M = [[0.0] * W for _ in range(W)]
+    for level, kind, _, _, sent in steps:
+        if level == "flat":
+            groups = [list(range(W))]
+        elif level in ("intra", "inter"):
+            nodes, L = hierarchical_groups(W, L)
+            groups = ([[n * L + i for i in range(L)] for n in range(nodes)] if level == "intra" else
+                      [[n * L + i for n in range(nodes)] for i in range(L)])
+        else:
+            raise ValueError(f"planner: link level {level!r}; accepted: flat, intra, inter")
+        if kind not in _RING_COLLECTIVES and kind != "all_to_all":
+            raise ValueError(f"planner: collective {kind!r}; accepted: {', '.join(_RING_COLLECTIVES)}, all_to_all")
+        for g in groups:
+            p = len(g)
+            if p < 2:
+                continue
+            for k, src in enumerate(g):
+                if kind == "all_to_all":
+                    for dst in g:
+                        if dst != src:
+                            M[src][dst] += float(sent) / (p - 1)
+                else:
+                    M[src][g[(k + 1) % p]] += float(sent)
+    return M
 
 
 def hierarchical_bytes(codec, numel: int, dtype: Any, world_size: int, local_world_size: int,

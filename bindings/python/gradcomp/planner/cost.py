@@ -370,6 +370,26 @@ class CostModel:
                 best = p
         return {"scheme": best["scheme"], "inner": best["inner"], "predictions": preds}
 
+    def rank_rates(self, world_size: int) -> dict:
+        """Bytes per second one rank sends on each link level of a group of W = ``world_size``
+        ranks, the bandwidth term of :meth:`predict`: ``{"flat": the link a flat ring runs on
+        (intra on one node, else the inter link's bandwidth), "intra": the intra link, "inter":
+        the inter link or None without one}``. A ``shared`` link is divided by the ranks sending
+        through it at once (flat: W; intra: L, or W on one node; inter: the N nodes' ranks of one
+        group); a ``per_node`` inter link by the L ranks of a node (the grouped case, whose L
+        groups all leave the node together). May be inf (an unlimited link)."""
+        W = int(world_size)
+        N = self.nodes(W)
+        L = self.local_world_size if N > 1 else W
+
+        def per_rank(link: Link, p: int) -> float:
+            return link.bytes_per_s / (max(p, 1) if link.shared else 1)
+
+        inter = None
+        if self.inter is not None:
+            inter = self.inter.bytes_per_s / (max(N, 1) if self.inter.shared else L if self.inter.per_node else 1)
+        return {"flat": per_rank(self._flat_link(W), W), "intra": per_rank(self.intra, L), "inter": inter}
+
     def describe(self) -> dict:
         return {"intra": self.intra.to_dict(), "inter": None if self.inter is None else self.inter.to_dict(),
                 "local_world_size": self.local_world_size, "engine": self.engine,

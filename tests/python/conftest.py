@@ -8,8 +8,9 @@ import sys
 _MODULE_MARKERS = {
     "multiproc": ("test_charlm", "test_compressed_adam", "test_compressor", "test_dgc", "test_ddp_hook", "test_deepspeed_backend",
                   "test_deepspeed_integration", "test_experiment", "test_failures", "test_fsdp", "test_hierarchical",
-                  "test_links", "test_optim", "test_parity", "test_pool", "test_powersgd", "test_protocol",
-                  "test_scheme_keys", "test_stochastic_rounding", "test_torch_integration", "test_two_phase"),
+                  "test_links", "test_optim", "test_parity", "test_pool", "test_powersgd", "test_profiler_ranges",
+                  "test_protocol", "test_scheme_keys", "test_step_report", "test_stochastic_rounding",
+                  "test_torch_integration", "test_two_phase"),
     "deepspeed": ("test_deepspeed_backend", "test_deepspeed_integration"),
     "netns": ("test_links",),
 }

@@ -110,7 +110,7 @@ def sum_allreduce(tensor: torch.Tensor, group, what: str, probe=None, check=None
         finds ranks that disagree (preferred over the collective's error).
     """
     probe = probe or NULL_PROBE
-    t0 = probe.clock()
+    t0 = probe.clock("comm_s")
     if check is not None:
         check.launch()
     fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()

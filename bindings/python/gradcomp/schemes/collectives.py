@@ -59,7 +59,7 @@ def all_gather_failsafe(gathered: torch.Tensor, slot: torch.Tensor, group: Any, 
     probe = probe or NULL_PROBE
     if failed is not None:
         (mark_failed or _zero)(slot)
-    t0 = probe.clock()
+    t0 = probe.clock("comm_s")
     if wait:
         try:
             dist.all_gather_into_tensor(gathered, slot, group=group)

@@ -96,14 +96,16 @@ class NullProbe:
     """The probe interface, doing nothing (what a scheme uses when given ``probe=None``).
 
     A probe has three methods, called by the schemes in this order per phase:
-      - ``clock()``: a start token (a ``time.perf_counter()`` float, a CUDA event, ...);
-      - ``tock(field, start)``: the phase ``field`` (``"encode_s"``, ``"comm_s"``,
-        ``"decode_s"``) ended; ``start`` is the token from ``clock()``;
+      - ``clock(field)``: the phase ``field`` (``"encode_s"``, ``"comm_s"``, ``"decode_s"``)
+        starts; returns a start token (a ``time.perf_counter()`` float, a CUDA event, ...; the
+        compressor's probe also opens the phase's profiler range, :mod:`gradcomp.torch.stats`);
+      - ``tock(field, start)``: the phase ``field`` ended (on whichever thread: a collective's
+        in the callback of its Future); ``start`` is the token from ``clock(field)``;
       - ``decoded(workspace)``: the decodes of this call are enqueued on ``workspace`` (uint8, its
         first 4 bytes the little-endian status word), so a probe may copy the status out.
     """
 
-    def clock(self):
+    def clock(self, field: Optional[str] = None):
         return None
 
     def tock(self, field: str, start) -> None:
@@ -267,10 +269,10 @@ def one_round(tensor: torch.Tensor, ctx: SchemeContext, slots, probe, communicat
     """
     probe = probe or NULL_PROBE
     residual = slots.get("residual") if slots else None
-    t0 = probe.clock()
+    t0 = probe.clock("encode_s")
     ctx.codec.encode(tensor, residual=residual, out=ctx.packet, divisor=ctx.divisor, key=ctx.key_for(0))
     probe.tock("encode_s", t0)
-    t1 = probe.clock()
+    t1 = probe.clock("comm_s")
     if check is not None:
         check.launch()
     work = communicate()
@@ -281,7 +283,7 @@ def one_round(tensor: torch.Tensor, ctx: SchemeContext, slots, probe, communicat
             check.verify()
         if receipt is not None:
             receipt()
-        t2 = probe.clock()
+        t2 = probe.clock("decode_s")
         ws = ctx.dec_codec.workspace(ctx.packet)
         decode(ctx.dec_codec, ws)
         probe.decoded(ws)

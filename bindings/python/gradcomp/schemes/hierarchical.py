@@ -255,7 +255,7 @@ def hierarchical(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mappi
     # 1. the node sum of this rank's chunk, float32
     acc = ctx.acc
     acc[:n].copy_(flat)
-    t0 = probe.clock()
+    t0 = probe.clock("comm_s")
     if check is not None:
         check.launch()
     if L == 1:

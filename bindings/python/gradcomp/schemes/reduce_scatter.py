@@ -246,7 +246,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, ctx: ReduceScatter
     dname = _dtype_name(dtype)
     es = torch.empty(0, dtype=dtype).element_size()
 
-    t0 = probe.clock()
+    t0 = probe.clock("encode_s")
     bad = torch.zeros((), dtype=torch.bool, device=input.device)
     for j, lay in enumerate(ctx.rows):
         c, e = lay.c, lay.e
@@ -269,14 +269,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, ctx: ReduceScatter
     pv[:, toff] = bad.to(torch.uint8)
     probe.tock("encode_s", t0)
 
-    t1 = probe.clock()
+    t1 = probe.clock("comm_s")
     try:
         dist.all_to_all_single(ctx.received, ctx.packet, group=ctx.group)
     except Exception as e:  # noqa: BLE001 - a failed collective: named, cause kept
         raise collective_failed("FSDP2 compressed reduce-scatter: the all-to-all of the row packets", e) from e
     probe.tock("comm_s", t1)
 
-    t2 = probe.clock()
+    t2 = probe.clock("decode_s")
     rv = ctx.received.view(W, P)
     nonfinite = rv[:, toff].bool().any()
     mine = ctx.rows[r]

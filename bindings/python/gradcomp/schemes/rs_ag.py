@@ -50,7 +50,7 @@ def rs_ag(tensor: torch.Tensor, ctx: RsAgContext, slots: Optional[Mapping[str, t
         return completed(tensor)
     probe = probe or NULL_PROBE
     flat = tensor.view(-1)
-    t0 = probe.clock()
+    t0 = probe.clock("comm_s")
     ctx.buf[:n].copy_(flat)
     ctx.buf.div_(ctx.divisor)
     if check is not None:

@@ -186,14 +186,14 @@ def reduce_scatter_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None,
     codec, dec = ctx.codec, ctx.dec_codec
     dtype = tensor.dtype
 
-    t0 = probe.clock()
+    t0 = probe.clock("encode_s")
     for j, (a, m) in enumerate(ctx.chunks):
         if m:
             codec.encode(flat[a: a + m], residual=None if residual is None else residual[a: a + m],
                          out=ctx.packet[j * p1: j * p1 + codec.packet_bytes(m, dtype)], divisor=ctx.divisor,
                          key=ctx.key_for(j))
     probe.tock("encode_s", t0)
-    t1 = probe.clock()
+    t1 = probe.clock("comm_s")
     if check is not None:
         check.launch()
     try:
@@ -209,7 +209,7 @@ def reduce_scatter_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None,
     if not mine:
         return None
     try:
-        t2 = probe.clock()
+        t2 = probe.clock("decode_s")
         q1 = codec.packet_bytes(mine, dtype)
         check_headers(ctx.received, p1, [(j, mine) for j in range(W)], ctx.packet[ctx.rank * p1:],
                       _dtype_name(dtype), "scheme 'two_phase': the all-to-all of the chunk packets")
@@ -242,7 +242,7 @@ def all_gather_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, pro
     _, mine = ctx.chunks[ctx.rank]
     if mine and failed is None:
         try:
-            t3 = probe.clock()
+            t3 = probe.clock("encode_s")
             codec.encode(ctx.acc[:mine], residual=server,
                          out=ctx.server_packet[: codec.packet_bytes(mine, "float32")], divisor=1,
                          key=ctx.key_for(ctx.world_size + ctx.rank))
@@ -255,7 +255,7 @@ def all_gather_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, pro
     def finish():
         check_headers(ctx.gathered, p2, [(j, m) for j, (_, m) in enumerate(ctx.chunks) if m], ref, "float32",
                       "scheme 'two_phase': the all-gather of the summed chunks")
-        t5 = probe.clock()
+        t5 = probe.clock("decode_s")
         ws = dec.workspace(ctx.gathered, len(ctx.acc), "float32")
         for j, (a, m) in enumerate(ctx.chunks):
             if m:

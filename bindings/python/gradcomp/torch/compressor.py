@@ -39,7 +39,7 @@ from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, p
 from .policy import DENSE, ExemptArg, Exemptions, Ramp, RampArg, entry_size, spec_of
 from .protocol import BaseCompressor, LossScale, check_allreduce_args  # noqa: F401 (re-exported)
 from .residuals import NONFINITE_MODES, Layout, ResidualStore
-from .stats import CORRUPT_MODES, LOCAL, Stats
+from .stats import CORRUPT_MODES, LOCAL, Stats, check_log_file
 
 log = logging.getLogger("gradcomp")
 
@@ -326,7 +326,13 @@ class Compressor(BaseCompressor):
             INFO. When that logger has no handler anywhere (``hasHandlers()`` is False: logging
             not configured), a stderr ``StreamHandler`` at INFO is attached to it once
             (:data:`gradcomp.torch.stats.STDERR_HANDLER`); configure logging first to route the
-            lines elsewhere.
+            lines elsewhere. With ``log_file``, the step's report goes to that file instead.
+        log_file: None (default), or a path (str or os.PathLike; ``{rank}`` in it is replaced by
+            this rank; its folder must exist) to which the report of every ``log_every``-th step
+            (``stats()["report"]``, :func:`gradcomp.torch.stats.step_report`) is appended as one
+            JSON line, written when the next step starts; ranks may share one file (each row
+            names its rank). ``gradcomp-report FILE`` turns it into a table and a PNG. Needs
+            ``log_every`` >= 1.
         local_world_size: L, ranks per node for ``"hierarchical"`` (nodes of L consecutive
             ranks of ``group``: rank r is on node r // L, local rank r % L); None (default): the
             ``LOCAL_WORLD_SIZE`` environment variable (torchrun's) when set. Must divide W.
@@ -409,10 +415,12 @@ class Compressor(BaseCompressor):
     Raises:
         ValueError: unknown scheme / nonfinite / on_corrupt / inner_scheme, ``scheme="sum"`` or
             ``inner_scheme="sum"`` with a non-linear codec (the ramp's included), a negative
-            min_compress_numel or log_every; a local_world_size not dividing W, or
+            min_compress_numel or log_every; a log_file with log_every 0 or in a folder that
+            does not exist; a local_world_size not dividing W, or
             ``scheme="hierarchical"`` without local_world_size nor LOCAL_WORLD_SIZE
             (:func:`resolve_local_world_size`); a bad ramp entry (the message names it).
-        TypeError: error_feedback not a bool; group not a ProcessGroup; exempt of another type.
+        TypeError: error_feedback not a bool; group not a ProcessGroup; exempt of another type;
+            log_file not None, a str or an os.PathLike.
         gradcomp.InvalidArgumentError: a bad codec spec.
     """
 
@@ -428,10 +436,12 @@ class Compressor(BaseCompressor):
     def __init__(self, codec: Any, scheme: str = "auto", error_feedback: bool = True, group=None, *,
                  min_compress_numel: int = 1024, nonfinite: str = "restore", on_corrupt: str = "raise",
                  log_every: int = 0, local_world_size: Optional[int] = None, inner_scheme: str = "auto",
-                 cost_model=None, seed: int = 0, exempt: ExemptArg = (), ramp: RampArg = None):
+                 cost_model=None, seed: int = 0, exempt: ExemptArg = (), ramp: RampArg = None,
+                 log_file: Any = None):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback, group=group,
                       on_corrupt=on_corrupt,
                       ints=(("min_compress_numel", min_compress_numel), ("log_every", log_every)))
+        check_log_file(log_file, log_every)
         if inner_scheme not in inner_choices():
             raise ValueError(f"inner_scheme={inner_scheme!r}; accepted: {', '.join(inner_choices())}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
@@ -466,8 +476,9 @@ class Compressor(BaseCompressor):
         self._prepare_schemes()
         self.iter = 0  # steps completed
         self.store = ResidualStore(nonfinite)
-        self._stats = Stats(self.world_size, self.codec.spec, nonfinite, on_corrupt, int(log_every))
         self._routes: Dict[tuple, _Route] = {}
+        self._stats = Stats(self.world_size, self.codec.spec, nonfinite, on_corrupt, int(log_every), rank=self.rank,
+                            log_file=log_file, links=self._link_rates(), steps_of=self._steps_of)
         self._dense_ctx = SchemeContext(self.codec, group, self.world_size)
         self._warned: set = set()
         self._names: Dict[str, Tuple[int, torch.device]] = {}  # allreduce()/load names: numel, device
@@ -478,6 +489,31 @@ class Compressor(BaseCompressor):
         self._journal = StepJournal(self._rewind)  # undoes a failed step (gradcomp.torch.journal)
         self._verified: Dict[tuple, tuple] = {}  # key -> call signature the ranks agreed on
         self._splits: Dict[tuple, _Split] = {}  # key -> how its map divides (exempt parameters)
+
+    def _link_rates(self) -> Optional[dict]:
+        """Bytes per second a rank sends per link level, from the cost model (None without one):
+        the report's link bandwidth (:meth:`gradcomp.planner.CostModel.rank_rates`)."""
+        rates = getattr(self.cost_model, "rank_rates", None)
+        return rates(self.world_size) if rates is not None else None
+
+    def _steps_of(self, b: dict) -> list:
+        """The collectives of the call accounted as bucket dict ``b`` (``stats()["buckets"]``),
+        from the planner with its layout's options (:func:`gradcomp.planner.scheme_steps`): the
+        report's traffic matrix.
+
+        Raises:
+            ValueError, KeyError: a dict this compressor did not account.
+        """
+        key = ("index", b["index"]) if "index" in b else ("name", b["name"])
+        route = self._routes.get(key)
+        options = route.options if route is not None and route.scheme == b["scheme"] else {}
+        if b["scheme"] == "dense" or b["codec"] == DENSE:
+            codec = self.codec  # the dense steps read no codec
+        elif route is not None and route.codec is not None and route.codec.spec == b["codec"]:
+            codec = route.codec
+        else:
+            codec = Codec(b["codec"])
+        return planner.scheme_steps(b["scheme"], codec, b["numel"], b["dtype"], self.world_size, **options)
 
     def _config(self, device=None) -> RouteConfig:
         return RouteConfig(self.world_size, self.local_world_size, self.inner_scheme, self.min_compress_numel,
@@ -529,6 +565,8 @@ class Compressor(BaseCompressor):
         return self._ramp.at(step)
     nonfinite = property(lambda self: self.store.nonfinite, doc="``\"restore\"`` or ``\"reset\"`` (read-only).")
     log_every = property(lambda self: self._stats.log_every, doc="Steps between stats log lines (read-only).")
+    log_file = property(lambda self: self._stats.log_file,
+                        doc="The JSON-lines file of the step reports, ``{rank}`` replaced (None: the log line; read-only).")
 
     @property
     def on_corrupt(self) -> str:
@@ -675,6 +713,11 @@ class Compressor(BaseCompressor):
         return completed(tensor)
 
     def _reduce(self, tensor, key, params, joined=False, dense=False, dense_reason="") -> torch.futures.Future:
+        fut = self._reduce_call(tensor, key, params, joined, dense, dense_reason)
+        self._stats.returned()  # the caller has its Future: the step's report counts from here
+        return fut
+
+    def _reduce_call(self, tensor, key, params, joined, dense, dense_reason) -> torch.futures.Future:
         if self.world_size == 1:
             return self._single(tensor, key)
         self._load_restored(strict=True)
@@ -1048,6 +1091,13 @@ class Compressor(BaseCompressor):
         dense ring allreduces). ``failed_steps``: failed steps, left out of the totals. In a
         group of one nothing is sent: calls are accounted with the packets they would send
         (scheme ``"local (world size 1)"``, wire ratio = packet ratio).
+        ``report``: the per-step report of the most recent closed step (a step closes when the
+        next one starts; None before): its wall time split into compute and the encode,
+        communication and decode that held the loop up, the network share, bytes per link
+        level, achieved against the link's bandwidth (the cost model's), p50 / p99 call latency
+        over the last 100 steps, the traffic matrix between ranks
+        (:func:`gradcomp.torch.stats.step_report`; what ``log_file`` writes). ``time_split``:
+        that split summed over the closed steps, with the run's ``network_share``.
 
         The totals cover the steps this object ran since it was built or unpickled (a pickle
         keeps them; :meth:`load_state_dict` does not: a resumed run counts from zero while
@@ -1222,7 +1272,7 @@ class Compressor(BaseCompressor):
             self.store = ResidualStore(self.nonfinite, self.store.slot_names)
         self.group, self.world_size, self.rank = group, world, dist.get_rank(group)
         self.local_world_size = local
-        self._stats.world_size = world
+        self._stats.world_size, self._stats.rank, self._stats.links = world, self.rank, self._link_rates()
         self._dense_ctx = SchemeContext(self.codec, group, world)
         self._routes.clear()
         self._verified.clear()  # the new group's ranks compare their call descriptors again
@@ -1287,7 +1337,8 @@ class Compressor(BaseCompressor):
                             cost_model=d.get("cost_model"), seed=d.get("seed", 0), exempt=d.get("exempt", ()),
                             ramp=d.get("ramp"))
         stats = d["stats"]
-        stats.world_size = self.world_size
+        stats.world_size, stats.rank = self.world_size, self.rank
+        stats.links, stats.steps_of = self._link_rates(), self._steps_of
         self._stats = stats
         self._names = {k: (int(n), torch.device(dev)) for k, (n, dev) in d["names"].items()}
         self._step_names = set(d["step_names"])

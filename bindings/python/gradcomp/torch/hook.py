@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..codec import _dtype_name as dtype_name
 from . import protocol
 from .compressor import Compressor, check_options
+from .stats import check_log_file
 from .policy import ExemptArg, RampArg
 
 log = logging.getLogger("gradcomp")
@@ -143,6 +144,9 @@ class CompressionState:
         log_every: log a stats line through ``logging.getLogger("gradcomp")`` at INFO every N
             steps (0: never); when logging is not configured a stderr handler is attached to that
             logger once (see :class:`gradcomp.torch.Compressor`).
+        log_file: None, or a path (``{rank}`` replaced by the rank) to which the step report of
+            every ``log_every``-th step is appended as a JSON line instead of the log line
+            (:class:`gradcomp.torch.Compressor`'s ``log_file``; ``gradcomp-report`` reads it).
         local_world_size: ranks per node L for ``"hierarchical"`` (nodes of L consecutive ranks
             of the process group); None (default): the ``LOCAL_WORLD_SIZE`` environment variable
             (torchrun sets it). Must divide the world size.
@@ -233,11 +237,12 @@ class CompressionState:
                  start_iter: int = 0, min_compress_numel: int = 1024, nonfinite: str = "restore",
                  process_group=None, log_every: int = 0, *, local_world_size: Optional[int] = None,
                  inner_scheme: str = "auto", cost_model=None, seed: int = 0, exempt: ExemptArg = None,
-                 ramp: RampArg = None):
+                 ramp: RampArg = None, log_file: Any = None):
         check_options(scheme=scheme, nonfinite=nonfinite, error_feedback=error_feedback,
                       group=process_group, group_arg="process_group",
                       ints=(("start_iter", start_iter), ("min_compress_numel", min_compress_numel),
                             ("log_every", log_every)))
+        check_log_file(log_file, log_every)
         check_ddp_model(ddp_model, "CompressionState")
         self.start_iter = int(start_iter)
         self._group_given = process_group is not None
@@ -246,7 +251,8 @@ class CompressionState:
         extra = {k: v for k, v, given in (("local_world_size", local_world_size, local_world_size is not None),
                                           ("inner_scheme", inner_scheme, inner_scheme != "auto"),
                                           ("cost_model", cost_model, cost_model is not None),
-                                          ("seed", seed, seed != 0), ("ramp", ramp, ramp is not None)) if given}
+                                          ("seed", seed, seed != 0), ("ramp", ramp, ramp is not None),
+                                          ("log_file", log_file, log_file is not None)) if given}
         self.compressor = Compressor(codec, scheme, error_feedback, group,
                                      min_compress_numel=min_compress_numel, nonfinite=nonfinite,
                                      log_every=log_every, exempt=exempt, **extra)
@@ -304,6 +310,7 @@ class CompressionState:
         return self.compressor.codec_at(step)
     nonfinite = property(lambda self: self.compressor.nonfinite)
     log_every = property(lambda self: self.compressor.log_every)
+    log_file = property(lambda self: self.compressor.log_file)
     process_group = property(lambda self: self.compressor.group)
     world_size = property(lambda self: self.compressor.world_size)
     rank = property(lambda self: self.compressor.rank)

@@ -69,7 +69,7 @@ from .hook import check_ddp_model, hook_joins
 from .journal import Attempt, NotApplied, StepJournal, fail_call, not_applied, peer_check
 from .protocol import BaseCompressor, LossScale, check_allreduce_args
 from .residuals import NONFINITE_MODES, ResidualStore
-from .stats import Stats
+from .stats import Stats, check_log_file
 
 log = logging.getLogger("gradcomp")
 
@@ -237,10 +237,11 @@ class _LowRank:
     def __init__(self, group, rank: int, min_compression_rate: float, use_error_feedback: bool, warm_start: bool,
                  orthogonalization_epsilon: float, random_seed: int, nonfinite: str, q_init: str,
                  batch_tensors_with_same_shape: bool, min_compress_numel: int, log_every: int,
-                 on_corrupt: str = "raise"):
+                 on_corrupt: str = "raise", log_file: Any = None):
         _check(rank=rank, min_compression_rate=min_compression_rate, use_error_feedback=use_error_feedback,
                warm_start=warm_start, orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
                nonfinite=nonfinite, q_init=q_init, min_compress_numel=min_compress_numel, log_every=log_every)
+        check_log_file(log_file, log_every)
         self.opts = {"rank": int(rank), "min_compression_rate": float(min_compression_rate),
                      "min_compress_numel": int(min_compress_numel)}
         self.error_feedback = bool(use_error_feedback)
@@ -258,7 +259,8 @@ class _LowRank:
         self.numel_before = 0
         self.numel_after = 0
         self.set_group(group)
-        self._stats = Stats(self.world_size, self.spec(), nonfinite, on_corrupt, int(log_every))
+        self._stats = Stats(self.world_size, self.spec(), nonfinite, on_corrupt, int(log_every), rank=self.rank,
+                            log_file=log_file)
         self.scale = LossScale()  # an attached GradScaler and the loss scale the residuals are in
         self._journal = StepJournal(self._rewind)  # undoes a failed step (gradcomp.torch.journal)
         self._verified: Dict[Any, tuple] = {}  # key -> call signature the ranks agreed on
@@ -267,6 +269,8 @@ class _LowRank:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if hasattr(self, "_stats"):
+            self._stats.world_size, self._stats.rank = self.world_size, self.rank
         if hasattr(self, "_verified"):
             self._verified.clear()  # the new group's ranks compare their call descriptors again
 
@@ -398,6 +402,11 @@ class _LowRank:
         A failed collective, a mismatch between ranks or a failed step elsewhere makes the Future
         (or this call, for the first collective, issued here) raise; the step's residuals, Qs,
         counters and step counter are then put back (:mod:`gradcomp.torch.journal`)."""
+        fut = self._reduce(tensor, key, entries, joined, dense)
+        self._stats.returned()  # the caller has its Future: the step's report counts from here
+        return fut
+
+    def _reduce(self, tensor: torch.Tensor, key, entries, joined: bool, dense: bool) -> torch.futures.Future:
         W = self.world_size
         if W == 1:
             self._warn_once("world1", "gradcomp: PowerSGD: the process group has one rank: nothing is sent or "
@@ -428,7 +437,7 @@ class _LowRank:
             att.on_undo(undo)
         undo.count(plan.numel_before, plan.numel_after)
         ef = self.error_feedback and not joined and not doomed
-        t0 = probe.clock()
+        t0 = probe.clock("encode_s")
         if joined:
             flat.zero_()
         if self.error_feedback:
@@ -464,7 +473,7 @@ class _LowRank:
                 check.verify()
         except Exception as e:  # noqa: BLE001 - the step fails: undone, raised with its context
             raise self._failed(att, key, "powersgd", e, undo) from e
-        t2 = probe.clock()
+        t2 = probe.clock("encode_s")
         if d:
             flat.index_copy_(0, plan.dense_idx, (plan.comm1[:d] / W).to(plan.dtype))
         for g in plan.groups:
@@ -475,7 +484,7 @@ class _LowRank:
             plan.warm[gi] = [True] * len(plan.warm[gi])
 
         def finish():
-            t4 = probe.clock()
+            t4 = probe.clock("decode_s")
             plan.status.zero_()
             if plan.q_numel:
                 plan.q.div_(W)
@@ -713,6 +722,8 @@ class PowerSGDState:
         q_init: ``"philox"`` (default) or ``"torch"`` (PyTorch's draws; module docstring).
         min_compress_numel: tensors with fewer elements are sent dense (default 0).
         log_every: a gradcomp stats log line every N steps (0: never).
+        log_file: None, or a path to which the step report of every ``log_every``-th step is
+            appended as a JSON line instead (:class:`gradcomp.torch.Compressor`'s ``log_file``).
 
     Attributes:
         iter: synchronized steps seen (incremented after the last bucket, as PyTorch's).
@@ -731,7 +742,7 @@ class PowerSGDState:
                  orthogonalization_epsilon: float = 0, random_seed: int = 0,
                  compression_stats_logging_frequency: int = 10_000, batch_tensors_with_same_shape: bool = False,
                  *, ddp_model=None, nonfinite: str = "restore", q_init: str = "philox", min_compress_numel: int = 0,
-                 log_every: int = 0):
+                 log_every: int = 0, log_file: Any = None):
         for name, v in (("start_powerSGD_iter", start_powerSGD_iter),
                         ("compression_stats_logging_frequency", compression_stats_logging_frequency)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
@@ -744,7 +755,8 @@ class PowerSGDState:
         self.next_stats_report = 0
         self._engine = _LowRank(process_group, matrix_approximation_rank, min_compression_rate, use_error_feedback,
                                 warm_start, orthogonalization_epsilon, random_seed, nonfinite, q_init,
-                                batch_tensors_with_same_shape, min_compress_numel, log_every)
+                                batch_tensors_with_same_shape, min_compress_numel, log_every,
+                                log_file=log_file)
         self.process_group = process_group
         self._names: Dict[int, str] = {}
         self._joined = False
@@ -882,7 +894,8 @@ class PowerSGDState:
         return {"version": PICKLE_VERSION, "start_powerSGD_iter": self.start_powerSGD_iter,
                 "compression_stats_logging_frequency": self.compression_stats_logging_frequency,
                 "batch": self._engine.batch_same_shape, "nonfinite": self.nonfinite,
-                "log_every": self._engine._stats.log_every, "sd": self.state_dict()}
+                "log_every": self._engine._stats.log_every, "log_file": self._engine._stats.log_file,
+                "sd": self.state_dict()}
 
     def __setstate__(self, d: dict) -> None:
         if not isinstance(d, dict) or d.get("version") != PICKLE_VERSION:
@@ -893,6 +906,7 @@ class PowerSGDState:
                       o["use_error_feedback"], o["warm_start"], o["orthogonalization_epsilon"], o["random_seed"],
                       d["compression_stats_logging_frequency"], d["batch"], nonfinite=d["nonfinite"],
                       q_init=o["q_init"], min_compress_numel=o["min_compress_numel"], log_every=d["log_every"])
+        self._engine._stats.log_file = d.get("log_file")  # as written (its folder is not checked again)
         self.load_state_dict(d["sd"], strict=False)
 
     # -- the hook ------------------------------------------------------------------------------
@@ -934,7 +948,7 @@ class PowerSGDCompressor(BaseCompressor):
             (default 0).
         scheme: ``"auto"`` or ``"powersgd"`` (it has its own protocol: one float32 SUM allreduce
             of [dense tensors | P], one of Q, :func:`gradcomp.planner.powersgd_bytes`).
-        error_feedback, group, nonfinite, log_every: as :class:`gradcomp.torch.Compressor`.
+        error_feedback, group, nonfinite, log_every, log_file: as :class:`gradcomp.torch.Compressor`.
         on_corrupt: ``"raise"`` or ``"log"``, as :class:`gradcomp.torch.Compressor` (PowerSGD
             sends float32 sums, not packets: no decode can find one corrupt, so it only
             matters for the stats it shares).
@@ -947,13 +961,13 @@ class PowerSGDCompressor(BaseCompressor):
 
     def __init__(self, spec: str = "powersgd", scheme: str = "auto", error_feedback: bool = True, group=None, *,
                  min_compress_numel: int = 0, nonfinite: str = "restore", on_corrupt: str = "raise",
-                 log_every: int = 0):
+                 log_every: int = 0, log_file: Any = None):
         if scheme not in ("auto", "powersgd"):
             raise ValueError(f"PowerSGD: scheme={scheme!r}; accepted: 'auto' or 'powersgd' (it has its own protocol)")
         o = _parse_spec(spec)
         self._engine = _LowRank(group, o.get("rank", 1), o.get("min_rate", 2.0), error_feedback,
                                 o.get("warm_start", True), o.get("epsilon", 0.0), o.get("seed", 0), nonfinite,
-                                "philox", False, min_compress_numel, log_every, on_corrupt)
+                                "philox", False, min_compress_numel, log_every, on_corrupt, log_file)
         self.spec = self._engine.spec()
         self.error_feedback = self._engine.error_feedback
         self.scheme = scheme
@@ -1085,7 +1099,7 @@ class PowerSGDCompressor(BaseCompressor):
 
 def register_powersgd(ddp_model, spec: str, *, error_feedback: bool = True, start_iter: int = 0,
                       scheme: str = "auto", min_compress_numel: int = 0, nonfinite: str = "restore",
-                      process_group=None, log_every: int = 0) -> PowerSGDState:
+                      process_group=None, log_every: int = 0, log_file: Any = None) -> PowerSGDState:
     """What ``gradcomp.torch.register(ddp, codec="powersgd:rank=R", ...)`` does: a
     :class:`PowerSGDState` from the spec (:class:`PowerSGDCompressor` lists its keys) and
     CompressionState's argument names (error_feedback, start_iter, ...), registered with
@@ -1099,7 +1113,8 @@ def register_powersgd(ddp_model, spec: str, *, error_feedback: bool = True, star
     o = _parse_spec(spec)
     state = PowerSGDState(process_group, o.get("rank", 1), start_iter, o.get("min_rate", 2.0), error_feedback,
                           o.get("warm_start", True), o.get("epsilon", 0.0), o.get("seed", 0), ddp_model=ddp_model,
-                          nonfinite=nonfinite, min_compress_numel=min_compress_numel, log_every=log_every)
+                          nonfinite=nonfinite, min_compress_numel=min_compress_numel, log_every=log_every,
+                          log_file=log_file)
     ddp_model.register_comm_hook(state, powersgd_hook)
     return state
 

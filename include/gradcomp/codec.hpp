@@ -89,6 +89,7 @@ inline constexpr int kMaxSections = 4;
 struct PacketLayout {
   PacketHeader header{};               //!< expected header, flags 0
   MainParamKind main_kind = MainParamKind::exact;
+  uint8_t flags_defined = kFlagNonFinite; //!< the flag bits this codec's packets may carry
   int32_t nsections = 0;
   int32_t key_section = -1;            //!< index of the 32-byte EncodeContext section, -1: none
   int32_t payload_section = -1;        //!< linear codecs: the section an allreduce may sum

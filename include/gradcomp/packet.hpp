@@ -2,8 +2,9 @@
 //! @file packet.hpp
 //! The 32-byte packet header, little-endian:
 //!   offset 0 u32 magic "GCP1"; 4 u16 version; 6 u16 codec id; 8 u8 input dtype; 9 u8 wire dtype;
-//!   10 u8 index dtype; 11 u8 flags (bit 0: non-finite seen); 12 u32 FNV-1a hash of the canonical
-//!   spec; 16 u64 numel; 24 u64 main parameter (k for top-k, 0 for casts).
+//!   10 u8 index dtype; 11 u8 flags (bit 0: non-finite seen; bit 1: the codec's fallback format);
+//!   12 u32 FNV-1a hash of the canonical spec; 16 u64 numel; 24 u64 main parameter (k for top-k, 0
+//!   for casts).
 //! Sections follow, each starting at a 16-byte aligned offset. Packets are a multiple of 16 bytes.
 #pragma once
 
@@ -19,8 +20,12 @@ inline constexpr uint16_t kPacketVersion = 1;
 inline constexpr int64_t kHeaderBytes = 32;
 inline constexpr int64_t kPacketAlign = 16;
 inline constexpr uint8_t kFlagNonFinite = 1u;
-//! Flag bits a packet may carry; a header with any other bit set is corrupt.
-inline constexpr uint8_t kFlagsDefined = kFlagNonFinite;
+//! The packet carries its codec's fallback format (qsgd coding=elias: the dense int8 codes, because
+//! the Elias stream would not fit its capacity).
+inline constexpr uint8_t kFlagFallback = 2u;
+//! Every defined flag bit. A codec's layout says which of them its packets may carry
+//! (PacketLayout::flags_defined); a header with any other bit set is corrupt.
+inline constexpr uint8_t kFlagsDefined = kFlagNonFinite | kFlagFallback;
 //! Bytes of the EncodeContext section of keyed codecs: u64 seed, u32 step, u32 bucket, u32 chunk
 //! (little-endian), then kKeyReservedBytes zero bytes (decode refuses a packet where they are not).
 inline constexpr int64_t kKeyBytes = 32;

@@ -35,6 +35,11 @@ LayoutBuilder& LayoutBuilder::main_param(int64_t v, MainParamKind kind) {
   return *this;
 }
 
+LayoutBuilder& LayoutBuilder::fallback_flag() {
+  l_.flags_defined = uint8_t(l_.flags_defined | kFlagFallback);
+  return *this;
+}
+
 int LayoutBuilder::section(const char* name, int64_t count, DType dtype) {
   GRADCOMP_CHECK(l_.nsections < kMaxSections, InvalidArgument, "packet layout: more than ", kMaxSections,
                  " sections");
@@ -111,8 +116,8 @@ DType validate_header(const PacketHeader& h, const HeaderExpect& e, const Codec&
       throw CorruptPacket(concat(call, ": packet main parameter ", h.main_param, " but codec '", spec, "' uses ",
                                  l.header.main_param, " for ", x.numel, " elements"));
     case HeaderFault::flags:
-      throw CorruptPacket(concat(call, ": packet flags 0x", std::hex, int(h.flags), " set undefined bits (defined: 0x",
-                                 int(kFlagsDefined), ")"));
+      throw CorruptPacket(concat(call, ": packet flags 0x", std::hex, int(h.flags), " set bits codec '", spec,
+                                 "' does not define (defined: 0x", int(l.flags_defined), ")"));
     case HeaderFault::size:
       throw CorruptPacket(concat(call, ": packet buffer holds ", e.capacity, " bytes but its header describes a ",
                                  l.bytes, "-byte packet"));

@@ -26,6 +26,8 @@ class LayoutBuilder {
   LayoutBuilder& wire(DType t);
   LayoutBuilder& index(DType t);
   LayoutBuilder& main_param(int64_t v, MainParamKind kind = MainParamKind::exact);
+  //! Let packets carry kFlagFallback (a codec with a fallback format).
+  LayoutBuilder& fallback_flag();
   //! Append a section of `count` elements of `dtype`; returns its index.
   int section(const char* name, int64_t count, DType dtype);
   //! Append the section an allreduce may sum (linear codecs); returns its index.
@@ -83,7 +85,7 @@ GRADCOMP_HD HeaderFault check_header(const PacketHeader& h, const HeaderExpect& 
     if (h.wire_dtype != l.header.wire_dtype) f = HeaderFault::wire_dtype;
     else if (h.index_dtype != l.header.index_dtype) f = HeaderFault::index_dtype;
     else if (l.main_kind == MainParamKind::exact && h.main_param != l.header.main_param) f = HeaderFault::main_param;
-    else if ((h.flags & ~kFlagsDefined) != 0) f = HeaderFault::flags;
+    else if ((h.flags & ~l.flags_defined) != 0) f = HeaderFault::flags;
     else if (l.bytes > e.capacity) f = HeaderFault::size;
   }
   if (f == HeaderFault::ok) *input = h.input_dtype;

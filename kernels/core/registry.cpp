@@ -33,10 +33,12 @@ const std::vector<RegistryEntry>& registry() {
        {"int4", "int4:block=0", "int4:block=6", "int4:block=1026,rounding=stochastic"},
        "symmetric int4 codes, two per byte, with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023); "
        "rounding=stochastic: keyed stochastic rounding of the codes"},
-      {"qsgd", CodecId::qsgd, {"levels", "block"}, make_qsgd,
-       {"qsgd", "qsgd:levels=16", "qsgd:levels=1,block=7", "qsgd:block=4096"},
+      {"qsgd", CodecId::qsgd, {"levels", "block", "coding"}, make_qsgd,
+       {"qsgd", "qsgd:levels=16", "qsgd:levels=1,block=7", "qsgd:block=4096", "qsgd:levels=16,coding=elias",
+        "qsgd:block=5,coding=elias"},
        "stochastic rounding to s levels of |x| / the block's L2 norm, int8 codes, a float32 norm per block, keyed "
-       "(QSGD, Alistarh et al., NeurIPS 2017, section 3.1; GRACE's defaults s = 127, block 128)"},
+       "(QSGD, Alistarh et al., NeurIPS 2017, section 3.1; GRACE's defaults s = 127, block 128); coding=elias: "
+       "the non-zero levels with Elias-delta gaps and levels (section 3.2), dense fallback past the capacity"},
       {"terngrad", CodecId::terngrad, {"clip"}, make_terngrad, {"terngrad", "terngrad:clip=0"},
        "ternary codes sign(x) * Bernoulli(|x| / max|x|) after clipping at c standard deviations, one float32 "
        "scale, keyed (TernGrad, Wen et al., NeurIPS 2017, sections 3 and 3.3)"},

@@ -10,6 +10,10 @@
 
 #include "../common/elem.hpp"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace gradcomp::detail {
 //! A team of `threads` threads started a parallel region `skew_ns` apart (core/runtime.cpp).
 void note_team_skew(int threads, int64_t skew_ns) noexcept;
@@ -21,6 +25,23 @@ using common::BF16;
 using common::dispatch_float;
 using common::F16;
 using common::F32;
+
+//! This thread's number in its OpenMP team, and the team's size (0 and 1 outside a region or
+//! without OpenMP).
+inline int thread_id() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+inline int team_size() {
+#if defined(_OPENMP)
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
 
 //! [begin, end) of part t of T equal contiguous parts of [0, n).
 inline void partition(int64_t n, int T, int t, int64_t& begin, int64_t& end) {

@@ -2,11 +2,17 @@
 // CPU backend of QSGD (kernels/core/codecs/qsgd.hpp, docs/contracts.md section 3): one task per
 // block (OpenMP, static schedule): y and its fixed-order sum of squares (common/reduce.hpp's lane
 // rule), the norm, then the codes from the block's Philox words (common/qsgd.hpp), D and the
-// residual; decode element-wise.
+// residual; decode element-wise. coding=elias (common/elias.hpp): the codes go to the workspace,
+// then per block (OpenMP) their bit counts, a serial prefix sum into the block ends, and per block
+// the bits at their offset (the bytes a block shares with its neighbours OR-ed atomically); decode
+// parses every block once to validate before anything is written, then again to write.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
+#include "../common/elias.hpp"
 #include "../common/qsgd.hpp"
 #include "../common/reduce.hpp"
 #include "../core/codecs/qsgd.hpp"
@@ -107,9 +113,71 @@ uint32_t encode_loop(const typename In::storage* __restrict x, float* __restrict
   return flag;
 }
 
+//! Bytes [16, 16 + n) of an elias encode's workspace hold the codes.
+constexpr int64_t kCodesOffset = kStatusBytes;
+
+//! Write the Elias stream of `codes` (p.numel int8) into the packet, or the dense fallback; returns
+//! the header flag bits it adds and sets `*main` to the header's main parameter.
+uint8_t elias_pack(const QsgdPlan& p, const int8_t* codes, uint8_t* packet, uint64_t* main) {
+  const int64_t n = p.numel, B = p.block, nb = p.nblocks;
+  uint8_t* stream = packet + p.layout.sections[0].offset;
+  auto* ends = reinterpret_cast<uint32_t*>(packet + p.layout.sections[2].offset);
+  const int T = p.threads;
+#pragma omp parallel for num_threads(T) schedule(static)
+  for (int64_t b = 0; b < nb; ++b) ends[b] = elias::block_bits(codes + b * B, std::min(B, n - b * B));
+  uint64_t total = 0; // <= 13 n < 2^32: make_plan bounds n below 2^28
+  for (int64_t b = 0; b < nb; ++b) ends[b] = uint32_t(total += ends[b]);
+  if (total > uint64_t(8 * n)) {
+    std::memcpy(stream, codes, size_t(n));
+    std::memset(ends, 0, size_t(nb) * 4);
+    *main = 0;
+    return kFlagFallback;
+  }
+  std::memset(stream, 0, size_t(n));
+#pragma omp parallel num_threads(T)
+  {
+    alignas(64) uint8_t buf[(13 * qsgd::kMaxBlock + 64) / 8 + 16];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint64_t at = b ? ends[b - 1] : 0, bits = ends[b] - at;
+      if (bits == 0) continue;
+      // the block's bits into buf, starting at bit (at mod 8) of buf[0]
+      const int64_t len = std::min(B, n - b * B);
+      const int8_t* c = codes + b * B;
+      const int s0 = int(at & 7);
+      const int64_t nbytes = int64_t((uint64_t(s0) + bits + 7) / 8);
+      uint64_t acc = 0; // the pending `pend` bits, right-aligned
+      int pend = s0;
+      int64_t out = 0, prev = -1;
+      for (int64_t i = 0; i < len; ++i) {
+        if (c[i] == 0) continue;
+        const elias::Entry e = elias::entry(uint32_t(i - prev), c[i]);
+        prev = i;
+        acc = (acc << e.width) | e.value;
+        pend += e.width;
+        while (pend >= 8) {
+          pend -= 8;
+          buf[out++] = uint8_t(acc >> pend);
+        }
+        acc &= (uint64_t(1) << pend) - 1;
+      }
+      if (pend > 0) buf[out++] = uint8_t(acc << (8 - pend));
+      // the first and last bytes may hold a neighbouring block's bits
+      uint8_t* dst = stream + (at >> 3);
+      for (int64_t j = 0; j < nbytes; ++j) {
+        if (j == 0 || j == nbytes - 1) std::atomic_ref<uint8_t>(dst[j]).fetch_or(buf[j], std::memory_order_relaxed);
+        else dst[j] = buf[j];
+      }
+    }
+  }
+  *main = total;
+  return 0;
+}
+
 void encode(const QsgdPlan& p, const EncodeArgs& a) {
   const qsgd::Key key = qsgd::derive(a.ctx.seed, a.ctx.step, a.ctx.bucket, a.ctx.chunk);
-  auto* codes = reinterpret_cast<int8_t*>(a.packet + p.layout.sections[0].offset);
+  auto* codes = p.elias ? reinterpret_cast<int8_t*>(a.workspace + kCodesOffset)
+                        : reinterpret_cast<int8_t*>(a.packet + p.layout.sections[0].offset);
   auto* norms = reinterpret_cast<float*>(a.packet + p.layout.sections[1].offset);
   uint32_t flag = 0;
   dispatch_float(p.input, [&](auto in) {
@@ -122,7 +190,53 @@ void encode(const QsgdPlan& p, const EncodeArgs& a) {
     else flag = d == 1.0f ? encode_loop<In, false, true>(xs, nullptr, codes, norms, p, key, d)
                           : encode_loop<In, false, false>(xs, nullptr, codes, norms, p, key, d);
   }, "qsgd: input");
-  finish_packet(a.packet, p.layout, flag ? kFlagNonFinite : 0, a.ctx);
+  uint8_t flags = flag ? kFlagNonFinite : 0;
+  if (p.elias) {
+    uint64_t main = 0;
+    flags |= elias_pack(p, codes, a.packet, &main);
+    finish_packet(a.packet, p.layout, flags, a.ctx);
+    std::memcpy(a.packet + offsetof(PacketHeader, main_param), &main, sizeof main);
+  } else {
+    finish_packet(a.packet, p.layout, flags, a.ctx);
+  }
+}
+
+//! Check an Elias stream (header `h`) before anything is written: the block ends never decrease and
+//! the last is the header's bit count, within the capacity; every block parses to exactly its
+//! bits. Throws CorruptPacket naming what is wrong.
+void elias_check(const QsgdPlan& p, const PacketHeader& h, const uint8_t* packet) {
+  const int64_t n = p.numel, B = p.block, nb = p.nblocks;
+  const uint8_t* stream = packet + p.layout.sections[0].offset;
+  const auto* ends = reinterpret_cast<const uint32_t*>(packet + p.layout.sections[2].offset);
+  const uint64_t total = nb ? ends[nb - 1] : 0;
+  if (total != h.main_param || total > uint64_t(8 * n))
+    throw_corrupt_packet("decode: qsgd coding=elias: the last block ends at stream bit %llu but the header says %llu "
+                         "(capacity %lld bits)", (unsigned long long)total, (unsigned long long)h.main_param,
+                         (long long)(8 * n));
+  for (int64_t b = 1; b < nb; ++b)
+    if (ends[b] < ends[b - 1])
+      throw_corrupt_packet("decode: qsgd coding=elias: block %lld ends at stream bit %u, before block %lld (%u)",
+                           (long long)b, ends[b], (long long)(b - 1), ends[b - 1]);
+  // the bits past the stream are zero (so a fallback packet that lost its flag is refused)
+  const int64_t used = int64_t((total + 7) / 8);
+  const bool tail_clean = (total % 8 == 0 || (stream[used - 1] & (0xFFu >> (total % 8))) == 0) &&
+                          std::all_of(stream + used, stream + n, [](uint8_t v) { return v == 0; });
+  if (!tail_clean)
+    throw_corrupt_packet("decode: qsgd coding=elias: the stream has non-zero bits past its %llu bits (capacity %lld)",
+                         (unsigned long long)total, (long long)(8 * n));
+  int64_t bad = -1;
+#pragma omp parallel num_threads(p.threads)
+  {
+    alignas(64) int8_t tmp[qsgd::kMaxBlock];
+#pragma omp for schedule(static) reduction(max : bad)
+    for (int64_t b = 0; b < nb; ++b)
+      if (!elias::parse_block(stream, b ? ends[b - 1] : 0, ends[b], tmp, std::min(B, n - b * B), p.levels))
+        bad = std::max(bad, b);
+  }
+  if (bad >= 0)
+    throw_corrupt_packet("decode: qsgd coding=elias: block %lld's stream bits [%u, %u) are not a valid sequence of "
+                         "(gap, sign, level) codes with positions inside the block and levels in [1, %d]",
+                         (long long)bad, bad ? ends[bad - 1] : 0u, ends[bad], p.levels);
 }
 
 void decode(const QsgdPlan& p, const DecodeArgs& a) {
@@ -130,6 +244,12 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
   std::memcpy(&h, a.packet, sizeof h);
   const auto* codes = reinterpret_cast<const int8_t*>(a.packet + p.layout.sections[0].offset);
   const auto* norms = reinterpret_cast<const float*>(a.packet + p.layout.sections[1].offset);
+  const bool parse = p.elias && !(h.flags & kFlagFallback);
+  const auto* ends = reinterpret_cast<const uint32_t*>(a.packet + p.layout.sections[p.elias ? 2 : 0].offset);
+  if (parse) elias_check(p, h, a.packet);
+  if (p.elias && !parse && (h.main_param != 0 || std::any_of(ends, ends + p.nblocks, [](uint32_t e) { return e != 0; })))
+    throw_corrupt_packet("decode: qsgd coding=elias: a fallback packet (header flag bit 1) must have main parameter 0 "
+                         "and zero ends; this one has %llu", (unsigned long long)h.main_param);
   const bool acc = a.mode == DecodeMode::accumulate;
   const float alpha = a.alpha, levels = float(p.levels);
   const int64_t n = p.numel, B = p.block;
@@ -141,11 +261,18 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
 #pragma omp parallel num_threads(T)
     {
       clock.arrive();
+      alignas(64) int8_t tmp[qsgd::kMaxBlock];
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < p.nblocks; ++b) {
         const float dscale = div_rn(norms[b], levels);
+        const int8_t* c = codes;
+        if (parse) { // checked above: parses
+          elias::parse_block(reinterpret_cast<const uint8_t*>(codes), b ? ends[b - 1] : 0, ends[b], tmp,
+                             std::min(B, n - b * B), p.levels);
+          c = tmp - b * B;
+        }
         for (int64_t i = b * B, e = std::min(n, i + B); i < e; ++i) {
-          const float v = mul_rn(mul_rn(dscale, float(codes[i])), alpha);
+          const float v = mul_rn(mul_rn(dscale, float(c[i])), alpha);
           out[i] = O::store(acc ? add_rn(O::load(out[i]), v) : v);
         }
       }
@@ -157,7 +284,7 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
   if ((h.flags & kFlagNonFinite) && status) *status |= kStatusNonFinite;
 }
 
-int64_t workspace_bytes(const QsgdPlan&) { return kStatusBytes; }
+int64_t workspace_bytes(const QsgdPlan& p) { return p.elias ? kCodesOffset + (p.numel + 15) / 16 * 16 : kStatusBytes; }
 
 } // namespace
 } // namespace GRADCOMP_CPU_NAMESPACE

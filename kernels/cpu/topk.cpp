@@ -38,10 +38,6 @@
 #include "isa.hpp"
 #include "parallel.hpp"
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 namespace GRADCOMP_CPU_NAMESPACE {
 namespace {
 
@@ -57,20 +53,6 @@ constexpr int kB = common::kRadixBuckets;
 
 inline uint32_t key_of_bits(uint32_t y) { return abs_key(bits_float(y)); }
 
-inline int thread_id() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-inline int team_size() {
-#if defined(_OPENMP)
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
 
 // Where y comes from: x (converted to float32), plus the residual, divided by the divisor.
 template <class In, bool HasRes, bool Div1>

@@ -106,7 +106,7 @@ TEST(Layout, HeaderCheckNamesEachField) {
       {"index", [](PacketHeader& h) { h.index_dtype = uint8_t(DType::uint32); }, HeaderFault::index_dtype,
        "index dtype code 9"},
       {"main", [](PacketHeader& h) { h.main_param = 127; }, HeaderFault::main_param, "main parameter 127"},
-      {"flags", [](PacketHeader& h) { h.flags = 0x40; }, HeaderFault::flags, "undefined bits"},
+      {"flags", [](PacketHeader& h) { h.flags = 0x40; }, HeaderFault::flags, "does not define"},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.what);

@@ -177,9 +177,14 @@ def test_charlm_end_to_end(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert p.returncode == 0, p.stderr[-4000:]
     names = ("charlm_table.md", "charlm_results.csv", "charlm_results.json", "charlm_bpc_vs_bits.png")
-    assert sorted(os.listdir(out)) == sorted(names)  # --task charlm: no digits files
+    assert sorted(os.listdir(out)) == sorted(names + ("stats",))  # --task charlm: no digits files
     for name in names:
         assert str(out / name) in p.stdout  # the CLI says where its files are
+    # each run's step reports, every 10th of its 20 steps (the 20th is never closed), both ranks
+    assert sorted(os.listdir(out / "stats")) == ["charlm_000.jsonl", "charlm_001.jsonl"]
+    with open(out / "stats" / "charlm_000.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert sorted((r["rank"], r["step"]) for r in logged) == [(0, 9), (1, 9)]
     assert "| codec | optimizer | scheme | EF | runs | val bits/char (mean ± std) | min–max | vs dense |" in p.stdout
     with open(out / "charlm_results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -467,8 +472,9 @@ def test_charlm_table_vs_dense_and_link_target():
     body = {ln.split(" | ")[0][2:] + "/" + ln.split(" | ")[1]: ln.split(" | ") for ln in table if ln.startswith("| ")}
     assert body["none/Adam"][7] == "+0.00%" and body["topk:ratio=0.01/CompressedAdam"][7] == "+2.00%"
     assert body["none/SGD"][7] == "+0.00%" and body["topk:ratio=0.01/DGC (SGD)"][7] == "+10.00%"
-    assert body["topk:ratio=0.01/DGC (SGD)"][16:20] == ["3.0600", "-", "-", "0/1"]
-    assert body["topk:ratio=0.01/CompressedAdam"][16:20] == ["2.5500", "1.00", "20", "1/1"]
+    assert body["none/Adam"][8] == "-"  # net share: the hand-made runs have none
+    assert body["topk:ratio=0.01/DGC (SGD)"][17:21] == ["3.0600", "-", "-", "0/1"]
+    assert body["topk:ratio=0.01/CompressedAdam"][17:21] == ["2.5500", "1.00", "20", "1/1"]
     assert any(ln.startswith("Method rows (--charlm-methods): SGD = ") for ln in table)
     assert any("Target = 1.02 x" in ln for ln in table)
 

@@ -91,6 +91,27 @@ def test_experiment_end_to_end(tmp_path):
     # --task digits: no charlm files
     assert not any(name.startswith("charlm_") for name in os.listdir(out))
 
+    # the network share beside the accuracy: the three runs with the hook have one, the
+    # optimizer rows (no gradcomp hook) none; each hook run's step reports under stats/, every
+    # 10th of its 28 steps from both ranks
+    assert "| test acc % (mean ± std) | min–max | net share |" in p.stdout
+    assert all(0.0 < float(r["network_share"]) < 1.0 for r in rows)
+    assert opt_rows["Adam"]["network_share"] == "" and opt_rows["1-bit Adam"]["network_share"] == ""
+    assert sorted(os.listdir(out / "stats")) == ["digits_000.jsonl", "digits_001.jsonl", "digits_002.jsonl"]
+    assert [r.get("stats_log") for r in js["runs"]] == [str(out / "stats" / f"digits_00{i}.jsonl")
+                                                        for i in range(3)] + [None, None]
+    for i in range(3):
+        with open(out / "stats" / f"digits_00{i}.jsonl") as f:
+            logged = [json.loads(line) for line in f]
+        assert sorted((r["rank"], r["step"]) for r in logged) == [(0, 9), (0, 19), (1, 9), (1, 19)]
+        for r in logged:
+            assert math.isclose(r["compute_s"] + sum(r["exposed"].values()), r["step_s"], rel_tol=1e-12)
+    rep = subprocess.run([sys.executable, "-m", "gradcomp.report_cli", str(out / "stats" / "digits_002.jsonl"),
+                          "--png", str(tmp_path / "r.png")], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ))
+    assert rep.returncode == 0, rep.stderr
+    assert "| 19 |" in rep.stdout and "Rank 0 of 2, 2 logged steps (codec int8)" in rep.stdout
+
 
 def test_experiment_fsdp2_end_to_end(tmp_path):
     """--task digits --engine fsdp2 on a tiny setting: the MLP sharded by FSDP2 (its three Linear

@@ -60,7 +60,11 @@ Writes into ``--out`` (default ``results/``), for digits: ``results.csv`` (one r
 (the printed table: mean and spread over seeds) and ``accuracy_vs_bits.png`` (test accuracy
 against bits per element); for charlm the same with a ``charlm_`` prefix and
 ``charlm_bpc_vs_bits.png`` (validation bits per character against bits per element; both plots
-from :func:`gradcomp.experiments.report.plot`).
+from :func:`gradcomp.experiments.report.plot`). Each DDP run with the gradcomp hook writes its step
+reports (``log_file``, every :data:`gradcomp.experiments.runner.STATS_LOG_EVERY` steps, all ranks
+into one file) to ``stats/TASK_III.jsonl`` (:func:`gradcomp.experiments.sweep.assign_stats_logs`;
+``gradcomp-report`` reads them), and the tables show each row's network share next to its metric:
+exposed communication over step time, summed over the run's steps (``stats()["time_split"]``).
 Progress bars (tqdm) go to stderr; the tables and the file paths go to stdout. The README's "The
 main job" has the measured times (the default: within 5 minutes on 2 cores).
 

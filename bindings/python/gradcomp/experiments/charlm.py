@@ -296,7 +296,8 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     curve_every (DDP only: evaluate every that many steps and at the end, the result's
     ``curve``) and engine: "ddp" (default) or "fsdp2" (the model sharded by FSDP2 instead of
     wrapped in DDP, gradcomp's compressed reduce-scatter or, for codec "dense", FSDP2's own:
-    :mod:`gradcomp.experiments.fsdp2`; bucket_cap_mb unused, start_iter must be 0).
+    :mod:`gradcomp.experiments.fsdp2`; bucket_cap_mb unused, start_iter must be 0); stats_log (a
+    path: the gradcomp hook's step reports, :func:`gradcomp.experiments.runner.register_hook`).
 
     Returns (every rank) a dict: val_bpc (validation bits per character), final_loss and
     train_loss (mean training cross-entropy in bits per character over all ranks, per progress
@@ -342,7 +343,8 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     elif engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
         state = (None if cfg["optimizer"] in METHOD_OPTIMIZERS else
-                 register_hook(ddp, cfg["codec"], cfg["error_feedback"], cfg["start_iter"]))
+                 register_hook(ddp, cfg["codec"], cfg["error_feedback"], cfg["start_iter"],
+                               stats_log=cfg.get("stats_log")))
     else:
         raise ValueError(f"charlm: engine={engine!r}; accepted: ddp, fsdp2")
     clip_in_loop = cfg["clip"] > 0

@@ -19,12 +19,13 @@ from typing import Callable, Dict, List, Optional, TextIO
 from .args import CHARLM_METHOD_OPTIMIZERS, OPTIMIZERS
 from .fsdp2 import DENSE, MIN_COMPRESS_NUMEL
 
-CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "test_accuracy", "final_loss",
+CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "test_accuracy", "network_share", "final_loss",
                "packet_ratio", "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
                "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
                "decode_s", "comm_s", "train_s", "wall_s", "workers", "epochs"]
 
-CHARLM_CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "val_bpc", "final_loss", "packet_ratio",
+CHARLM_CSV_COLUMNS = ["codec", "optimizer", "scheme", "error_feedback", "seed", "val_bpc", "network_share", "final_loss",
+                      "packet_ratio",
                       "wire_ratio", "bits_per_element", "packet_bytes_per_step", "sent_bytes_per_step",
                       "dense_bytes_per_step", "numel", "buckets", "steps", "nonfinite_steps", "encode_s",
                       "decode_s", "comm_s", "train_s", "eval_s", "wall_s", "workers", "params"]
@@ -63,7 +64,8 @@ def fsdp2_lines(summary: List[dict], prefix: str, unit: str, units: str, params:
            f"wire_ratio = the W-1 slots a rank sends in gradcomp's all-to-all / what it sends in a ring "
            f"reduce-scatter of the dense input ((W-1)/W x dense bytes); bits/elem = 8 x packet bytes / elements "
            f"of that input. {DENSE} = FSDP2's own reduce-scatter without gradcomp (its times are not measured: "
-           f"0). Times are per run, summed over steps, seconds."]
+           f"0). Times are per run, summed over steps, seconds. net share = the time gradcomp's reduce-scatters "
+           f"held the loop up, communicating, over the steps' wall time ({DENSE}: not measured, '-')."]
     if exempt is not None and params:
         out.append(f"Sent raw in the same all-to-all (exempt: fewer than 2 dimensions or fewer than "
                    f"{MIN_COMPRESS_NUMEL} elements, gradcomp.torch.fsdp's default): {exempt} of {params} "
@@ -82,7 +84,8 @@ def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "ac
     """Group runs by (codec, optimizer, error_feedback) (rows without ``optimizer``: by codec and
     error feedback; a group's ``optimizer`` is its rows'): mean, std (sample, 0 for one seed), min and max of
     ``metric`` (keys ``{prefix}_mean``, ``_std``, ``_min``, ``_max``; digits: test accuracy, acc_*;
-    charlm: val_bpc, bpc_*), and the means of the final loss, the ratios and times."""
+    charlm: val_bpc, bpc_*), and the means of the final loss, the ratios, times and network share
+    (None when no run of the group has one: :func:`gradcomp.experiments.runner.hook_totals`)."""
     groups: Dict[tuple, List[dict]] = {}
     for r in rows:
         groups.setdefault((r["codec"], r.get("optimizer"), r["error_feedback"]), []).append(r)
@@ -103,6 +106,8 @@ def summarize(rows: List[dict], metric: str = "test_accuracy", prefix: str = "ac
         for k in ("final_loss", "packet_ratio", "wire_ratio", "bits_per_element", "encode_s", "decode_s",
                   "comm_s", "train_s", "wall_s"):
             s[k] = mean(k)
+        shares = [r["network_share"] for r in rs if r.get("network_share") is not None]
+        s["network_share"] = statistics.fmean(shares) if shares else None
         if all("eval_s" in r for r in rs):
             s["eval_s"] = mean("eval_s")
         out.append(s)
@@ -117,9 +122,9 @@ def format_table(summary: List[dict], workers: int, link: Optional[dict] = None,
     reached it, and the mean wall time of a run (s); and a line saying what the target is. Under
     ``engine`` fsdp2 the footer is :func:`fsdp2_lines`' (``params``, ``exempt``: elements of the
     model and of its exempt parameters)."""
-    head = ("| codec | scheme | EF | runs | test acc % (mean ± std) | min–max | final loss | packet_ratio | "
-            "wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
-    ncol = 14
+    head = ("| codec | scheme | EF | runs | test acc % (mean ± std) | min–max | net share | final loss | "
+            "packet_ratio | wire_ratio | bits/elem | encode s | comm s | decode s | train s |")
+    ncol = 15
     if link is not None:
         goal = "target" if link["target"] is None else f"{link['target']:.2f}%"
         head += f" time to {goal} s | epoch | reached | run wall s |"
@@ -130,7 +135,7 @@ def format_table(summary: List[dict], workers: int, link: Optional[dict] = None,
         line = (
             f"| {s['codec']} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
             f"{s['acc_mean']:.2f} ± {s['acc_std']:.2f} | {s['acc_min']:.2f}–{s['acc_max']:.2f} | "
-            f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
+            f"{share(s)} | {s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
             f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
             f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
         if link is not None:
@@ -147,7 +152,7 @@ def format_table(summary: List[dict], workers: int, link: Optional[dict] = None,
         lines.append(f"W = {workers} gloo workers (CPU). Ratios are totals over all buckets and steps; "
                      f"wire_ratio is against a ring allreduce of the dense buckets (2(W-1)/W x dense bytes). "
                      f"Times are per run, summed over steps, seconds; comm s is launch-to-completion per "
-                     f"bucket and overlaps the backward pass.")
+                     f"bucket and overlaps the backward pass. {SHARE_NOTE}")
     if link is not None:
         lines.append("")
         lines.append(f"Link: {link['description']}. Target accuracy {link['target']:.2f}% = 98% of the mean final "
@@ -159,6 +164,18 @@ def format_table(summary: List[dict], workers: int, link: Optional[dict] = None,
                      f"Link: {link['description']}. No target accuracy: the sweep has no dense run (codec none, "
                      f"SGD, no error feedback) to take 98% of.")
     return "\n".join(lines)
+
+
+SHARE_NOTE = ("net share = the network's share of the training step: the communication that held the loop up "
+              "(DDP's backward waiting for a collective, not overlapped) over the step's wall time, summed over a "
+              "run's steps (gradcomp.torch.stats; the per-step reports of each run are in stats/*.jsonl under "
+              "--out, for gradcomp-report); '-' for runs without the gradcomp hook.")
+
+
+def share(s: dict) -> str:
+    """A summary's network share as the tables print it: a percentage, or ``-`` without one."""
+    v = s.get("network_share")
+    return "-" if v is None else f"{100 * v:.1f}%"
 
 
 TARGET_FRACTION = 0.98
@@ -247,9 +264,9 @@ def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict
     fsdp2 = getattr(a, "engine", "ddp") == "fsdp2"
     dense = {} if fsdp2 else charlm_dense(summary)
     head = ("| codec | optimizer | scheme | EF | runs | val bits/char (mean ± std) | min–max | vs dense | "
-            "final train bits/char | packet_ratio | wire_ratio | bits/elem | encode s | comm s | decode s | "
-            "train s |")
-    ncol = 16
+            "net share | final train bits/char | packet_ratio | wire_ratio | bits/elem | encode s | comm s | "
+            "decode s | train s |")
+    ncol = 17
     if link is not None:
         head += " target bits/char | time to target s | step | reached | run wall s |"
         ncol += 5
@@ -260,7 +277,7 @@ def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict
         rel = "-" if d is None else f"{100 * (s['bpc_mean'] - d) / d:+.2f}%"
         line = (f"| {s['codec']} | {label} | {s['scheme']} | {'on' if s['error_feedback'] else 'off'} | {s['runs']} | "
                 f"{s['bpc_mean']:.4f} ± {s['bpc_std']:.4f} | {s['bpc_min']:.4f}–{s['bpc_max']:.4f} | "
-                f"{rel} | "
+                f"{rel} | {share(s)} | "
                 f"{s['final_loss']:.4f} | {100 * s['packet_ratio']:.3f}% | {100 * s['wire_ratio']:.3f}% | "
                 f"{s['bits_per_element']:.3f} | {s['encode_s']:.2f} | {s['comm_s']:.2f} | "
                 f"{s['decode_s']:.2f} | {s['train_s']:.2f} |")
@@ -282,7 +299,7 @@ def format_charlm_table(summary: List[dict], a: argparse.Namespace, corpus: dict
         f"per rank, {a.optimizer} (peak lr {a.lr:g}, cosine decay, clip {a.clip:g}); val bits/char over "
         f"{a.val_windows} windows ({a.val_windows * a.seq_len} characters)."
         + ("" if fsdp2 else " Ratios are totals over all buckets and steps; wire_ratio is against a ring allreduce "
-                            "of the dense buckets. Times are per run, seconds."))
+                            "of the dense buckets. Times are per run, seconds. " + SHARE_NOTE))
     if fsdp2:
         for ln in fsdp2_lines(summary, "bpc", "bits/char", "embed, lstm (both layers) and head", params, exempt,
                               a.workers):
@@ -433,10 +450,18 @@ def write_files(paths: Dict[str, str], table: str, wall: float, columns: List[st
         json.dump(js, f, indent=1, default=_json_default)
 
 
+def _stats_log(row: dict, cfg: dict) -> None:
+    """The JSON's ``stats_log`` of a run: the path of its step reports, when its hook wrote one
+    (:func:`gradcomp.experiments.sweep.assign_stats_logs`)."""
+    path = cfg.get("stats_log")
+    if path and os.path.exists(path):
+        row["stats_log"] = os.path.abspath(path)
+
+
 def digits_rows(plans: List[dict], results: List[list], workers: int, epochs: int) -> List[dict]:
     """One row per digits run: rank 0's result's :data:`CSV_COLUMNS`, the run's codec, optimizer,
-    error feedback and seed, W, the epochs, the per-epoch training loss and (under ``--link``)
-    the per-epoch ``curve``."""
+    error feedback and seed, W, the epochs, the per-epoch training loss, (under ``--link``) the
+    per-epoch ``curve`` and the path of its ``stats_log`` when it wrote one."""
     rows = []
     for cfg, res in zip(plans, results):
         r0 = res[0]
@@ -448,6 +473,7 @@ def digits_rows(plans: List[dict], results: List[list], workers: int, epochs: in
         for k in ("exempt_numel", "params"):  # --engine fsdp2 (the JSON; not CSV columns)
             if k in r0:
                 row[k] = r0[k]
+        _stats_log(row, cfg)
         rows.append(row)
     return rows
 
@@ -465,6 +491,7 @@ def charlm_rows(plans: List[dict], results: List[list], workers: int) -> List[di
         for k in ("exempt_numel", "curve"):  # --engine fsdp2, --link (the JSON; not CSV columns)
             if k in r0:
                 row[k] = r0[k]
+        _stats_log(row, cfg)
         rows.append(row)
     return rows
 

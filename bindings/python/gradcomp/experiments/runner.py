@@ -15,7 +15,7 @@ compressed from the first step, so DDP's bucket rebuild after step 1 remaps the 
 
 import math
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 TEST_SIZE = 400
 SPLIT_SEED = 0
@@ -51,16 +51,23 @@ def make_model(hidden: int):
                          nn.Linear(hidden, 10))
 
 
-def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int):
+STATS_LOG_EVERY = 10
+"""Steps between the rows of a run's stats log (``cfg["stats_log"]``, :func:`register_hook`)."""
+
+
+def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int, stats_log: Optional[str] = None):
     """Register the gradcomp hook of a run on the DDP model and return its state (whose
     ``stats()`` the run reports): ``gradcomp.torch.register`` with the codec spec, error feedback
     and ``start_iter``, scheme ``auto`` and ``min_compress_numel=0`` (every bucket compressed),
     whatever the protocol (a ``powersgd:rank=R`` spec gets the low-rank hook's state from the
-    protocol table, :mod:`gradcomp.torch.protocol`). Both tasks register this way."""
+    protocol table, :mod:`gradcomp.torch.protocol`). Both tasks register this way. With
+    ``stats_log`` (a path) the hook appends the report of every :data:`STATS_LOG_EVERY`-th step
+    to it (``log_file``; every rank to the same file, each row naming its rank)."""
     import gradcomp.torch as gt
 
+    log = {} if stats_log is None else {"log_every": STATS_LOG_EVERY, "log_file": stats_log}
     return gt.register(ddp, codec=codec, error_feedback=error_feedback, scheme="auto", start_iter=start_iter,
-                       min_compress_numel=0)
+                       min_compress_numel=0, **log)
 
 
 def train_run(rank: int, world: int, cfg: dict) -> dict:
@@ -68,7 +75,9 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     epochs, lr, momentum, batch_size (per rank), hidden, bucket_cap_mb, weight_decay; optional
     optimizer (sgd, adam, onebit_adam; default sgd) and engine ("ddp", default, or "fsdp2": the
     MLP sharded by FSDP2, its Linear layers one unit each, with gradcomp's compressed
-    reduce-scatter or FSDP2's own for codec "dense", :mod:`gradcomp.experiments.fsdp2`; SGD only).
+    reduce-scatter or FSDP2's own for codec "dense", :mod:`gradcomp.experiments.fsdp2`; SGD only);
+    stats_log (a path: the hook's step reports, :func:`register_hook`; DDP with the gradcomp
+    hook only).
 
     Returns (every rank) a dict: test_accuracy (percent, full test set), train_loss (per-epoch
     mean over all ranks' batches), the hook's byte/time totals, compute and wall seconds, and a
@@ -107,7 +116,8 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
     peak_lr = cfg["lr"]
     if kind == "sgd":
         state = (fsdp2.register(model, cfg["codec"], cfg["error_feedback"]) if engine == "fsdp2" else
-                 register_hook(ddp, cfg["codec"], cfg["error_feedback"], start_iter=0))
+                 register_hook(ddp, cfg["codec"], cfg["error_feedback"], start_iter=0,
+                               stats_log=cfg.get("stats_log")))
         opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
                               weight_decay=cfg.get("weight_decay", 0.0))
     elif kind == "adam":  # torch's Adam under plain DDP: every step allreduces the float32 gradients
@@ -185,16 +195,20 @@ def train_run(rank: int, world: int, cfg: dict) -> dict:
 def hook_totals(st: dict) -> dict:
     """The fields every run reports from a hook's ``stats()`` (both tasks): steps, the schemes of
     the last step's buckets ("two_phase", "gather", ...), the three ratios, bytes per step,
-    elements per step, buckets, non-finite steps and the hook's seconds."""
+    elements per step, buckets, non-finite steps, the hook's seconds and the network share of the
+    run's steps (``stats()["time_split"]``: exposed communication / step time over the closed
+    steps; None where the stats have no split: the optimizer rows, FSDP2)."""
     tot = st["total"]
     n = max(st["steps"], 1)
+    split = st.get("time_split")
     return {"steps": st["steps"], "scheme": "+".join(sorted({b["scheme"] for b in st["buckets"]})),
             "packet_ratio": tot["packet_ratio"], "wire_ratio": tot["wire_ratio"],
             "bits_per_element": tot["bits_per_element"], "packet_bytes_per_step": tot["packet_bytes"] / n,
             "dense_bytes_per_step": tot["dense_bytes"] / n, "sent_bytes_per_step": tot["sent_bytes"] / n,
             "numel": int(tot["numel"] / n), "buckets": len(st["buckets"]),
             "nonfinite_steps": st["nonfinite_steps"], "encode_s": tot["encode_s"],
-            "decode_s": tot["decode_s"], "comm_s": tot["comm_s"]}
+            "decode_s": tot["decode_s"], "comm_s": tot["comm_s"],
+            "network_share": split["network_share"] if split and split["steps"] else None}
 
 
 def optimizer_stats(kind: str, opt, model, world: int, steps: int) -> dict:

@@ -125,6 +125,29 @@ def describe_link(net, workers: int) -> str:
             f"{shaped} in each direction")
 
 
+STATS_DIR = "stats"
+"""The folder under ``--out`` holding each DDP run's stats log (:func:`assign_stats_logs`)."""
+
+
+def assign_stats_logs(plans: Dict[str, List[dict]], out: str) -> None:
+    """Give every DDP run of ``plans`` (task -> run configurations) the path of its stats log,
+    ``cfg["stats_log"]`` = ``OUT/stats/TASK_III.jsonl`` (III: the run's index in its task), where
+    the gradcomp hook appends its step reports (every rank, every
+    :data:`gradcomp.experiments.runner.STATS_LOG_EVERY` steps; ``gradcomp-report`` reads it).
+    Runs without the hook (the optimizer and method rows) write none; FSDP2 runs get no path.
+    Creates the folder and removes a log left by an earlier sweep into the same ``--out``."""
+    folder = os.path.join(out, STATS_DIR)
+    for task, runs in plans.items():
+        for i, cfg in enumerate(runs):
+            if cfg.get("engine", "ddp") != "ddp":
+                continue
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"{task}_{i:03d}.jsonl")
+            if os.path.exists(path):
+                os.remove(path)
+            cfg["stats_log"] = path
+
+
 class LinkUnavailable(RuntimeError):
     """``--link`` was given but this process cannot build the shaped namespaces (the message says
     why: :func:`gradcomp.experiments.links.available`)."""
@@ -137,6 +160,8 @@ def run(a: argparse.Namespace) -> argparse.Namespace:
     :func:`gradcomp.experiments.links.timed_train_run`), charlm with
     :func:`gradcomp.experiments.charlm.train_run`, in ``a.tasks`` order. Builds the charlm corpus
     in this process first (its description goes to the results) and creates ``a.out``.
+
+    Each DDP run's hook writes its step reports to ``cfg["stats_log"]`` (:func:`assign_stats_logs`).
 
     Returns a namespace: ``plans`` (task -> run configurations; [] for a task not selected),
     ``results`` (task -> per run, the W ranks' result dicts), ``walls`` (task -> seconds of its
@@ -168,6 +193,7 @@ def run(a: argparse.Namespace) -> argparse.Namespace:
     if "charlm" in a.tasks:
         corpus = charlm.build_corpus(None, a.charlm.corpus_bytes).describe()
     os.makedirs(a.out, exist_ok=True)
+    assign_stats_logs(plans, a.out)
     total_runs = sum(len(plans[t]) for t in a.tasks)
     t_all = time.perf_counter()
     results: Dict[str, list] = {}

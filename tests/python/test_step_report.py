@@ -165,6 +165,58 @@ def test_log_file_arguments(tmp_path):
         check_log_file("", 1)
 
 
+def test_cuda_bookkeeping_with_fake_events(monkeypatch):
+    """The CUDA path of the probe and of a step's close, on the CPU: CUDA events and NVTX
+    replaced by fakes (each event recorded one second after the previous one; the host clock
+    set by hand), so the spans, the split and the NVTX ranges are known exactly."""
+    import gradcomp.torch.stats as gs
+
+    class FakeEvent:
+        now = [0.0]
+
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            FakeEvent.now[0] += 1.0
+            self.t = FakeEvent.now[0]
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, other):
+            return 1000.0 * (other.t - self.t)  # milliseconds, as CUDA's
+
+    nvtx = []
+    host = [100.0]
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_start", lambda name: nvtx.append(("start", name)) or len(nvtx))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_end", lambda i: nvtx.append(("end", i)))
+    monkeypatch.setattr(gs.time, "perf_counter", lambda: host[0])
+    st = gs.Stats(2, "int8")
+    rec = st.record(0)  # the step opens at host time 100
+    b = {"index": 4, "numel": 10, "dense_bytes": 40, "packet_bytes": 48, "sent_bytes": 48.0, "ring_bytes": 40.0,
+         "scheme": "sum"}
+    st.account(rec, b)
+    probe = st.probe(rec, b, torch.device("cuda"), "bucket 4")
+    for field in ("encode_s", "comm_s"):  # GPU: encode 1 -> 2, collective 3 -> 4, decode 5 -> 6
+        probe.tock(field, probe.clock(field))
+    token = probe.clock("decode_s")
+    probe.tock("decode_s", token)
+    host[0] = 110.0
+    st.record(1)  # closes step 0: a 10 s step
+    r = st.summary()["report"]
+    assert [f for f in ("encode_s", "comm_s", "decode_s") if r[f] != 1.0] == []
+    # spans placed at the step's start: encode 100-101 (the stream: held up), collective 102-103,
+    # decode 104-105; the wait runs from the last encode's end (101) to 105
+    assert r["exposed"] == {"encode_s": 1.0, "comm_s": 3.0, "decode_s": 1.0} and r["compute_s"] == 5.0
+    assert r["step_s"] == 10.0 and r["network_share"] == 0.3 and r["comm_busy_s"] == 1.0
+    assert r["latency_p50_s"] == 5.0  # the call: encode start 100 to decode end 105
+    names = [x[1] for x in nvtx if x[0] == "start"]
+    assert names == ["gradcomp.encode[bucket=4]", "gradcomp.comm[bucket=4]", "gradcomp.decode[bucket=4]"]
+    assert [x[1] for x in nvtx if x[0] == "end"] == [1, 3, 5]  # each range ended, in order
+
+
 # ---- a real run ----------------------------------------------------------------------------------
 def _model():
     torch.manual_seed(0)

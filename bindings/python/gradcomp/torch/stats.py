@@ -273,7 +273,8 @@ def step_report(step: int, rank: Optional[int], world_size: int, codec: str, v: 
             "decode_s": float(v.get("decode_s", 0.0)), "sent_bytes": sent, "bytes": by,
             "comm_busy_s": comm_busy_s, "achieved_bytes_per_s": achieved, "link_bytes_per_s": _finite(link),
             "link_utilization": achieved / link if achieved is not None and _finite(link) else None,
-            "latency_p50_s": timeline.percentile(latencies, 50), "latency_p99_s": timeline.percentile(latencies, 99),
+            "latency_p50_s": timeline.percentile(latencies, 50) if latencies else None,
+            "latency_p99_s": timeline.percentile(latencies, 99) if latencies else None,
             "latency_calls": len(latencies)}
 
 

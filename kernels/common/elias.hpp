@@ -74,44 +74,47 @@ GRADCOMP_HD uint32_t block_bits(const int8_t* codes, int64_t len) {
   return bits;
 }
 
-//! Reads bits [at, end) of a stream, most significant bit of byte 0 first. Any read past `end` sets
-//! `bad` and returns zeros, so a corrupt stream never reads outside its block.
+//! Reads bits [at, end) of a stream, most significant bit of byte 0 first. A code running past `end`
+//! sets `bad`. peek() loads the 8 bytes from byte at / 8: the caller's buffer must hold 7 bytes past
+//! the last byte of the stream (a qsgd packet's norms, ends and key follow its stream).
 struct Reader {
   const uint8_t* s;
   uint64_t at, end;
   bool bad = false;
+  //! The next 57 or more bits, most significant first (zeros below them).
+  GRADCOMP_HD uint64_t peek() const {
+    const uint8_t* p = s + (at >> 3);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v = (v << 8) | p[i];
+    return v << (at & 7);
+  }
   GRADCOMP_HD uint32_t bit() {
-    if (at >= end) {
-      bad = true;
-      return 0;
-    }
-    const uint32_t b = (s[at >> 3] >> (7 - (at & 7))) & 1u;
-    ++at;
+    const uint32_t b = uint32_t(peek() >> 63);
+    if (++at > end) bad = true;
     return b;
   }
-  GRADCOMP_HD uint32_t bits(int w) {
-    uint32_t v = 0;
-    for (int i = 0; i < w; ++i) v = (v << 1) | bit();
-    return v;
-  }
-  //! One delta code; 0 (never a valid value) with `bad` set when it is malformed or above `limit`.
+  //! One delta code; 0 (never a valid value) with `bad` set when it is malformed, runs past `end`
+  //! or is above `limit`.
   GRADCOMP_HD uint32_t delta(uint32_t limit) {
-    int L = 0;
-    while (!bad && bit() == 0) {
-      if (++L > 4) { // N + 1 <= 31 needs L <= 4
-        bad = true;
-        return 0;
-      }
-    }
-    if (bad) return 0;
-    const uint32_t n1 = (1u << L) | bits(L); // N + 1, its leading 1 already read
-    const int N = int(n1) - 1;
-    if (bad || N > 30) {
+    const uint64_t w = peek();
+#if defined(__CUDA_ARCH__)
+    const int L = w ? __clzll((long long)w) : 64;
+#else
+    const int L = w ? __builtin_clzll(w) : 64;
+#endif
+    if (L > 4) { // N + 1 <= 31 needs L <= 4
       bad = true;
       return 0;
     }
-    const uint32_t v = (1u << N) | bits(N);
-    if (bad || v > limit) {
+    const int N = int((w << L) >> (63 - L)) - 1; // N + 1: the L + 1 bits after the zeros
+    if (N > 30) {
+      bad = true;
+      return 0;
+    }
+    const uint32_t low = N ? uint32_t((w << (2 * L + 1)) >> (64 - N)) : 0u;
+    const uint32_t v = (1u << N) | low;
+    at += uint64_t(2 * L + 1 + N);
+    if (at > end || v > limit) {
       bad = true;
       return 0;
     }

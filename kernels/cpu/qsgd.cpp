@@ -265,15 +265,16 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < p.nblocks; ++b) {
         const float dscale = div_rn(norms[b], levels);
-        const int8_t* c = codes;
+        const int64_t lo = b * B, len = std::min(B, n - lo);
+        const int8_t* c = codes + lo;
         if (parse) { // checked above: parses
-          elias::parse_block(reinterpret_cast<const uint8_t*>(codes), b ? ends[b - 1] : 0, ends[b], tmp,
-                             std::min(B, n - b * B), p.levels);
-          c = tmp - b * B;
+          elias::parse_block(reinterpret_cast<const uint8_t*>(codes), b ? ends[b - 1] : 0, ends[b], tmp, len,
+                             p.levels);
+          c = tmp;
         }
-        for (int64_t i = b * B, e = std::min(n, i + B); i < e; ++i) {
-          const float v = mul_rn(mul_rn(dscale, float(c[i])), alpha);
-          out[i] = O::store(acc ? add_rn(O::load(out[i]), v) : v);
+        for (int64_t t = 0; t < len; ++t) {
+          const float v = mul_rn(mul_rn(dscale, float(c[t])), alpha);
+          out[lo + t] = O::store(acc ? add_rn(O::load(out[lo + t]), v) : v);
         }
       }
       clock.finish();

@@ -198,10 +198,11 @@ def _randomk(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
 
 def _qsgd(codec: Codec, x: torch.Tensor, residual) -> Optional[Baseline]:
     n, dev = x.numel(), x.device
-    B = codec.layout(n, x.dtype)["main_param"]
+    keys = spec_keys(codec.spec)
+    B = int(keys.get("block", "128"))
     if residual is not None or n == 0 or n % B:
         return None
-    s = float(int(spec_keys(codec.spec).get("levels", "127")))
+    s = float(int(keys.get("levels", "127")))
     gen = torch.Generator(device=dev).manual_seed(0)
     xf = torch.empty(n, dtype=F32, device=dev)
     prob = torch.empty(n, dtype=F32, device=dev)

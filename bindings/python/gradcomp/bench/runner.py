@@ -128,6 +128,20 @@ def _fmt(kernel: str, t: float, nbytes: int, copy_bps: float, base: str, tb: Opt
             f"{tail}{'  !' if flagged else ''}")
 
 
+def _elias_line(spec: str, packet, n: int, ts) -> str:
+    """What an Elias-coded QSGD row adds: the stream's bits per element (the header's main parameter
+    over n; 8 in the fallback, the int8 codes) and the coder's throughput in elements per second.
+    BytePS's CPU Elias coder (its `dithering` compressor) publishes no throughput to compare with."""
+    h = packet[:32].cpu().numpy()
+    bits = int(h[24:32].view("<u8")[0])
+    fallback = bool(h[11] & 2)
+    per = 8.0 if fallback else bits / n
+    enc, dec = statistics.median(ts["encode"]), statistics.median(ts["decode"])
+    return (f"{spec}: stream {per:.2f} bits per element{' (fallback: the int8 codes)' if fallback else ''}, "
+            f"capacity 8; coder {n / enc / 1e6:.0f} M elements/s encode, {n / dec / 1e6:.0f} M elements/s "
+            f"decode (BytePS publishes no figure for its CPU Elias coder)")
+
+
 def run(device: str = "cpu", sizes: Sequence[int] = tuple(range(20, 27)),
         dtypes: Sequence[str] = ("float32", "bfloat16"), specs: Optional[Sequence[str]] = None,
         reps: int = 5, threads: Optional[int] = None,
@@ -196,6 +210,7 @@ def _measure(device, sizes, dtypes, specs, reps, threads, emit) -> Dict:
             r0 = torch.randn(n, generator=g, device=dev).mul_(0.01)
             y = torch.empty_like(x)
             copy_ts: List[float] = []
+            infos: List[str] = []
             group: List[dict] = []  # rows without the floor, and ("decode", ...) lines, in print order
             for spec in specs:
                 # one codec's kernels, its torch baselines and the copy, interleaved in rounds
@@ -224,6 +239,8 @@ def _measure(device, sizes, dtypes, specs, reps, threads, emit) -> Dict:
                         items["b_encode_ef"] = b_ef.encode
                 ts = _rounds(device, items, reps)
                 copy_ts += ts["copy"]
+                if "coding=elias" in spec:
+                    infos.append(_elias_line(spec, pk, n, ts))
                 for with_ef in ([False, True] if ef else [False]):
                     enc = ts["encode_ef" if with_ef else "encode"]
                     benc = ts.get("b_encode_ef" if with_ef else "b_encode")
@@ -281,6 +298,8 @@ def _measure(device, sizes, dtypes, specs, reps, threads, emit) -> Dict:
                 rows.append(row)
                 emit(_fmt(label, row["encode_s"], row["encode_bytes"], copy_bps, desc, row["baseline_encode_s"], width,
                           row["encode_spread_s"], row["baseline_encode_spread_s"], bool(fl)))
+            for line in infos:
+                emit(f"  {line}")
             for note in notes:
                 emit(f"  ! not a result: {note}")
             del x, r0

@@ -85,7 +85,7 @@ enum class MainParamKind : uint8_t {
 //! The declarative layout of a packet for (codec, numel, input dtype): the header it carries (flags
 //! zero), the sections after it, and the total size. packet_bytes, the header, host validation,
 //! zeroed padding and the CUDA kernels' header check all derive from it.
-inline constexpr int kMaxSections = 4;
+inline constexpr int kMaxSections = 5;
 struct PacketLayout {
   PacketHeader header{};               //!< expected header, flags 0
   MainParamKind main_kind = MainParamKind::exact;
@@ -93,6 +93,7 @@ struct PacketLayout {
   int32_t nsections = 0;
   int32_t key_section = -1;            //!< index of the 32-byte EncodeContext section, -1: none
   int32_t payload_section = -1;        //!< linear codecs: the section an allreduce may sum
+  int32_t checksum_section = -1;       //!< integrity=crc32c: the 16-byte CRC-32C section (last), -1: none
   PacketSection sections[kMaxSections];
   int64_t bytes = 0;                   //!< total packet bytes, a multiple of 16
 };
@@ -124,7 +125,14 @@ class Codec {
   CodecId id() const noexcept { return id_; }
   //! FNV-1a of spec(), written into every packet header.
   uint32_t spec_hash() const noexcept { return spec_hash_; }
-  virtual CodecProperties properties() const noexcept = 0;
+  //! The family's properties; with integrity=crc32c not linear (a checksum does not survive a sum).
+  CodecProperties properties() const noexcept {
+    CodecProperties p = base_properties();
+    if (integrity_) p.linear = false;
+    return p;
+  }
+  //! Whether packets carry the integrity=crc32c checksum section.
+  bool integrity() const noexcept { return integrity_; }
 
   //! Exact packet size in bytes for `numel` elements of `dtype`: a multiple of 16, the same on
   //! every rank. Throws InvalidArgument for numel outside [0, 2^56) or a dtype that is not a
@@ -171,6 +179,7 @@ class Codec {
     spec_ = std::move(canonical);
     spec_hash_ = fnv1a32(spec_);
   }
+  virtual CodecProperties base_properties() const noexcept = 0;
   // Backend entry points; arguments are already validated by encode()/decode() (sizes that depend
   // on the plan, such as the workspace, are checked by the implementation).
   virtual void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& workspace,
@@ -184,6 +193,7 @@ class Codec {
   std::string spec_;
   uint32_t spec_hash_ = 0;
   CodecId id_{};
+  bool integrity_ = false;
 };
 
 //! Read the status word from a workspace (CPU memory directly; CUDA: a synchronizing copy on

@@ -64,16 +64,34 @@ struct DeviceRuntime {
   const char* (*version)();
 };
 
+//! The CUDA side of integrity=crc32c (kernels/cuda/integrity.cu; kernels/core/integrity.hpp).
+struct ChecksumRuntime {
+  //! Workspace bytes the kernels need for a checksum over `nbytes` packet bytes.
+  int64_t (*workspace_bytes)(int64_t nbytes);
+  //! Write the CRC-32C of packet[0, checksum offset) into the layout's checksum section; `scratch`
+  //! holds workspace_bytes(offset) bytes.
+  void (*write)(uint8_t* packet, const PacketLayout& l, uint8_t* scratch, int device, Stream stream);
+  //! Check it on the device (the layout of the header's input dtype, from `e`): a mismatch sets
+  //! kStatusCorrupt in the status word and the veto word at workspace byte kChecksumVetoOffset
+  //! (zeroed first), which the decode kernels' prologue reads through e.veto. The partial sums go
+  //! to the workspace after the family's part (`family_bytes`).
+  void (*verify)(const uint8_t* packet, const HeaderExpect& e, uint8_t* workspace, int64_t family_bytes,
+                 int device, Stream stream);
+};
+
 #if defined(GRADCOMP_WITH_CUDA)
 //! The CUDA table of a family, or null in a CPU-only build (where it is never referenced).
 #define GRADCOMP_CUDA_KERNELS(table) (&(table))
 namespace cuda {
 extern const DeviceRuntime runtime;
+extern const ChecksumRuntime checksum;
 } // namespace cuda
 inline const DeviceRuntime* cuda_runtime() { return &cuda::runtime; }
+inline const ChecksumRuntime* checksum_runtime() { return &cuda::checksum; }
 #else
 #define GRADCOMP_CUDA_KERNELS(table) nullptr
 inline const DeviceRuntime* cuda_runtime() { return nullptr; }
+inline const ChecksumRuntime* checksum_runtime() { return nullptr; }
 #endif
 
 //! The CPU kernel variants (kernels/cpu/isa.hpp), best first; `native` alone in a

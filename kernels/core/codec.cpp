@@ -15,12 +15,28 @@
 namespace gradcomp {
 
 std::unique_ptr<Codec> Codec::create(std::string_view spec) {
-  const detail::ParsedSpec s = detail::parse_spec(spec);
+  detail::ParsedSpec s = detail::parse_spec(spec);
   for (const detail::RegistryEntry& e : detail::registry()) {
     if (e.name != s.name) continue;
-    detail::check_keys(s, e.keys);
+    std::vector<std::string_view> keys = e.keys;
+    keys.push_back(detail::kIntegrityKey);
+    detail::check_keys(s, keys);
+    // integrity=crc32c (every codec, kernels/core/integrity.hpp): taken out before the family parses
+    // its own keys, appended last to the canonical spec
+    bool crc = false;
+    if (auto it = s.options.find(detail::kIntegrityKey); it != s.options.end()) {
+      if (it->second == "crc32c") crc = true;
+      else if (it->second != "none")
+        throw InvalidArgument(detail::concat("codec spec '", s.text, "': integrity='", detail::display(it->second, 60),
+                                             "' is not accepted; accepted: none (default), crc32c"));
+      s.options.erase(it);
+    }
     std::unique_ptr<Codec> c = e.make(s);
     c->id_ = e.id;
+    if (crc) {
+      c->integrity_ = true;
+      c->set_spec(c->spec() + (c->spec().find(':') == std::string::npos ? ":" : ",") + "integrity=crc32c");
+    }
     return c;
   }
   std::string names;
@@ -46,6 +62,7 @@ std::vector<CodecInfo> list_codecs() {
     i.name = std::string(e.name);
     i.id = e.id;
     for (auto k : e.keys) i.keys.emplace_back(k);
+    i.keys.emplace_back(detail::kIntegrityKey);
     for (auto x : e.examples) i.examples.emplace_back(x);
     i.properties = Codec::create(e.examples.front())->properties();
     i.summary = std::string(e.summary);

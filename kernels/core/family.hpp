@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "backend.hpp"
+#include "integrity.hpp"
 #include "layout.hpp"
 
 namespace gradcomp::detail {
@@ -34,35 +35,49 @@ template <class Plan> class FamilyCodec : public Codec {
  public:
   int64_t packet_bytes(int64_t numel, DType dtype) const final {
     check_numel_dtype(numel, dtype, "packet_bytes");
-    return make_plan(numel, dtype, Device{}).layout.bytes;
+    return plan(numel, dtype, Device{}).layout.bytes;
   }
   PacketLayout layout(int64_t numel, DType dtype) const final {
     check_numel_dtype(numel, dtype, "layout");
-    return make_plan(numel, dtype, Device{}).layout;
+    return plan(numel, dtype, Device{}).layout;
   }
   std::optional<PayloadView> payload(int64_t numel, DType dtype) const final {
     check_numel_dtype(numel, dtype, "payload");
-    const PacketLayout l = make_plan(numel, dtype, Device{}).layout;
+    const PacketLayout l = plan(numel, dtype, Device{}).layout;
     if (l.payload_section < 0) return std::nullopt;
     const PacketSection& s = l.sections[l.payload_section];
     return PayloadView{s.offset, s.count, s.dtype};
   }
   int64_t workspace_bytes(int64_t numel, DType dtype, Device device) const final {
     check_numel_dtype(numel, dtype, "workspace_bytes");
-    const Plan p = make_plan(numel, dtype, device);
-    return std::max<int64_t>(kStatusBytes, select(backends(), device, *this).workspace_bytes(p));
+    const Plan p = plan(numel, dtype, device);
+    return need(select(backends(), device, *this), p, device);
   }
 
  protected:
+  //! Workspace bytes of a call: the family's (at least the status word), then on CUDA the checksum
+  //! kernels' partial sums (integrity=crc32c).
+  int64_t need(const Kernels<Plan>& k, const Plan& p, Device device) const {
+    int64_t n = std::max<int64_t>(kStatusBytes, k.workspace_bytes(p));
+    if (integrity() && device.kind == DeviceKind::cuda)
+      n = align16(n) + checksum_runtime()->workspace_bytes(p.layout.sections[p.layout.checksum_section].offset);
+    return n;
+  }
   virtual Plan make_plan(int64_t numel, DType input, Device device) const = 0;
+  //! make_plan, with the integrity=crc32c checksum section appended to the layout.
+  Plan plan(int64_t numel, DType input, Device device) const {
+    Plan p = make_plan(numel, input, device);
+    if (integrity()) append_checksum(p.layout);
+    return p;
+  }
   virtual Backends<Plan> backends() const = 0;
   void require_backend(Device device) const final { (void)select(backends(), device, *this); }
 
   void encode_impl(const Tensor& x, const Tensor* residual, const Tensor& packet, const Tensor& ws, float divisor,
                    const EncodeContext& ctx, Stream stream) const final {
-    const Plan p = make_plan(x.numel, x.dtype, x.device);
+    const Plan p = plan(x.numel, x.dtype, x.device);
     const Kernels<Plan>& k = select(backends(), x.device, *this);
-    const int64_t need = std::max<int64_t>(kStatusBytes, k.workspace_bytes(p));
+    const int64_t need = this->need(k, p, x.device);
     GRADCOMP_CHECK(ws.nbytes() >= need, InvalidArgument, "encode: workspace holds ", ws.nbytes(), " bytes but codec '",
                    spec(), "' needs workspace_bytes(", x.numel, ", ", dtype_name(x.dtype), ") = ", need,
                    " (at ", p.threads, " CPU threads)");
@@ -76,12 +91,17 @@ template <class Plan> class FamilyCodec : public Codec {
     a.ctx = ctx;
     a.stream = stream;
     k.encode(p, a);
+    if (integrity()) {
+      if (x.device.kind == DeviceKind::cpu) write_checksum_host(a.packet, p.layout);
+      else checksum_runtime()->write(a.packet, p.layout, a.workspace + align16(std::max<int64_t>(kStatusBytes, k.workspace_bytes(p))),
+                                     x.device.index, stream);
+    }
   }
 
   void decode_impl(const Tensor& packet, const Tensor& out, const Tensor& ws, DecodeMode mode, float alpha,
                    Stream stream) const final {
     const Kernels<Plan>& k = select(backends(), out.device, *this);
-    const HeaderExpect e = make_expect(packet.nbytes(), [&](DType in) { return make_plan(out.numel, in, out.device).layout; });
+    const HeaderExpect e = make_expect(packet.nbytes(), [&](DType in) { return plan(out.numel, in, out.device).layout; });
     DecodeArgs a;
     a.packet = packet.ptr<uint8_t>();
     a.packet_capacity = packet.nbytes();
@@ -94,12 +114,26 @@ template <class Plan> class FamilyCodec : public Codec {
       PacketHeader h;
       std::memcpy(&h, packet.data, sizeof h);
       a.input = validate_header(h, e, *this);
-      const Plan p = make_plan(out.numel, a.input, out.device);
+      const Plan p = plan(out.numel, a.input, out.device);
+      if (integrity()) check_checksum_host(a.packet, p.layout, *this);
       validate_key(a.packet, p.layout, *this);
       k.decode(p, a);
+    } else if (integrity()) {
+      // a checksum kernel vetoes the decode kernels (their prologue reads the veto word)
+      const Plan p = plan(out.numel, DType::float32, out.device);
+      const int64_t need = this->need(k, p, out.device);
+      GRADCOMP_CHECK(ws.nbytes() >= need, InvalidArgument, "decode: workspace holds ", ws.nbytes(), " bytes but codec '",
+                     spec(), "' on CUDA needs workspace_bytes(", out.numel, ", float32, cuda) = ", need,
+                     " (the checksum's partial sums)");
+      HeaderExpect ev = e;
+      ev.veto = reinterpret_cast<const uint32_t*>(a.workspace + kChecksumVetoOffset);
+      checksum_runtime()->verify(a.packet, ev, a.workspace, align16(std::max<int64_t>(kStatusBytes, k.workspace_bytes(p))),
+                                 out.device.index, stream);
+      a.expect = &ev;
+      k.decode(plan(out.numel, DType::float32, out.device), a);
     } else {
       a.expect = &e;
-      k.decode(make_plan(out.numel, DType::float32, out.device), a);
+      k.decode(plan(out.numel, DType::float32, out.device), a);
     }
   }
 };

@@ -47,6 +47,9 @@ class LayoutBuilder {
 struct HeaderExpect {
   PacketLayout by_input[3];
   int64_t capacity = 0;
+  //! CUDA, integrity=crc32c: the veto word the checksum kernel sets on a mismatch (device memory;
+  //! null: none). The decode kernels' prologue then treats the packet as corrupt and writes nothing.
+  const uint32_t* veto = nullptr;
 };
 
 // ---- the header check (host and device) ---------------------------------------------------------

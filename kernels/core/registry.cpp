@@ -16,7 +16,7 @@ const std::vector<RegistryEntry>& registry() {
        "from Philox4x32-10 (Gupta et al., ICML 2015)"},
       {"topk", CodecId::topk, {"ratio", "k", "index", "value_dtype"}, make_topk,
        {"topk:ratio=0.01", "topk:ratio=1", "topk:k=0", "topk:k=3,index=u64,value_dtype=bfloat16",
-        "topk:ratio=0.3,value_dtype=float16"},
+        "topk:ratio=0.3,value_dtype=float16", "topk:ratio=0.3,integrity=crc32c"},
        "exact top-k by magnitude (Aji & Heafield, EMNLP 2017; Lin et al., ICLR 2018)"},
       {"randomk", CodecId::randomk, {"ratio", "k", "unbiased"}, make_randomk,
        {"randomk:ratio=0.01", "randomk:ratio=1", "randomk:k=0", "randomk:k=3,unbiased=true"},
@@ -26,7 +26,7 @@ const std::vector<RegistryEntry>& registry() {
        {"fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "fp8:block=0", "fp8:format=e5m2,block=17"},
        "float8 e4m3fn / e5m2 codes with a float32 (or OCP MX e8m0) scale per block (Micikevicius et al. 2022)"},
       {"int8", CodecId::int8, {"block", "rounding"}, make_blockq,
-       {"int8", "int8:block=0", "int8:block=7", "int8:rounding=stochastic"},
+       {"int8", "int8:block=0", "int8:block=7", "int8:rounding=stochastic", "int8:block=7,integrity=crc32c"},
        "symmetric int8 codes with a float32 scale per block (ZeRO++ qgZ, Wang et al. 2023); rounding=stochastic: "
        "keyed stochastic rounding of the codes"},
       {"int4", CodecId::int4, {"block", "rounding"}, make_blockq,

@@ -10,6 +10,9 @@
 
 namespace gradcomp::detail {
 
+//! The spec key every codec accepts: integrity=none|crc32c (kernels/core/integrity.hpp).
+inline constexpr std::string_view kIntegrityKey = "integrity";
+
 struct ParsedSpec {
   std::string name;
   std::map<std::string, std::string, std::less<>> options;

@@ -262,7 +262,8 @@ struct DecodeHead {
 };
 
 //! The prologue of every decode kernel: thread 0 loads the header and checks it against `e`
-//! (checked_input, then check_key_section: the key section's reserved bytes of keyed codecs),
+//! (checked_input, then check_key_section: the key section's reserved bytes of keyed codecs, then
+//! the checksum kernel's veto word when e.veto is set),
 //! takes sections 0 and 1 of the layout of the header's input dtype and, in block 0 when `status`
 //! is not null, ORs kStatusCorrupt (a mismatch) or kStatusNonFinite (a packet flagged non-finite)
 //! into the status word; the block then synchronizes and every thread reads the same DecodeHead
@@ -277,6 +278,8 @@ __device__ __forceinline__ const DecodeHead& decode_prologue(const uint8_t* pack
     const PacketHeader h = load_header(packet);
     int input = checked_input(h, e);
     if (input >= 0 && !check_key_section(packet, e, input)) input = -1;
+    // integrity=crc32c: the checksum kernel ran first on the stream and vetoes a mismatch
+    if (input >= 0 && e.veto != nullptr && *reinterpret_cast<const volatile uint32_t*>(e.veto) != 0) input = -1;
     DecodeHead d{};
     d.input = input;
     d.nonfinite = input >= 0 && (h.flags & kFlagNonFinite) != 0;

@@ -39,7 +39,7 @@ def _expected_specs():
             out.add(gradcomp.Codec(c["name"]).spec)
         except gradcomp.InvalidArgumentError:
             out.add(gradcomp.Codec(c["examples"][0]).spec)
-    out.add("topk:ratio=0.01")
+    out |= {"topk:ratio=0.01", "qsgd:levels=16", "qsgd:levels=16,coding=elias", "int8:integrity=crc32c"}
     return out
 
 
@@ -56,6 +56,18 @@ def run(tmp_path_factory):
     assert rc == 0
     assert (gradcomp.get_num_threads(), torch.get_num_threads()) == before  # restored after the run
     return out, buf.getvalue(), bench.load(out / "bench_cpu.json")
+
+
+def test_elias_line(run):
+    """The Elias-coded QSGD row says its stream's bits per element (randn input, s = 16: most codes
+    are small non-zero levels, so between 2 and 8 bits) and its throughput in elements/s."""
+    _, stdout, _ = run
+    lines = [ln for ln in stdout.splitlines() if ln.strip().startswith("qsgd:levels=16,coding=elias: stream")]
+    assert len(lines) == len(SIZES) * 2, lines  # one per size and dtype
+    for ln in lines:
+        bits = float(ln.split("stream ")[1].split(" bits")[0])
+        assert 2.0 < bits < 8.0, ln
+        assert "M elements/s encode" in ln and "M elements/s decode" in ln
 
 
 def test_files_and_header(run):

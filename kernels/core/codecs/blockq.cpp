@@ -51,7 +51,7 @@ class BlockQCodec final : public FamilyCodec<BlockQPlan> {
     if (stochastic_) c.add("rounding", "stochastic");
     set_spec(c.str());
   }
-  CodecProperties properties() const noexcept override {
+  CodecProperties base_properties() const noexcept override {
     CodecProperties p;
     p.linear = false;
     p.unbiased = stochastic_;  // E[code] = q inside the code range (common::int_code_sr)

@@ -23,7 +23,7 @@ class CastCodec final : public FamilyCodec<CastPlan> {
     if (stochastic_) c.add("rounding", "stochastic");
     set_spec(c.str());
   }
-  CodecProperties properties() const noexcept override {
+  CodecProperties base_properties() const noexcept override {
     CodecProperties p;
     p.linear = true;
     // stochastic rounding: E[q] = y (kernels/common/sround.hpp); q brackets x' at divisor 1, so

@@ -32,7 +32,7 @@ class OnebitCodec final : public FamilyCodec<OnebitPlan> {
     if (!l2_) c.add("scale", "mean_abs");
     set_spec(c.str());
   }
-  CodecProperties properties() const noexcept override {
+  CodecProperties base_properties() const noexcept override {
     CodecProperties p;
     p.linear = false;
     p.unbiased = false;

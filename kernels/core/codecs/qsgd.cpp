@@ -38,7 +38,7 @@ class QsgdCodec final : public FamilyCodec<QsgdPlan> {
     if (elias_) c.add("coding", "elias");
     set_spec(c.str());
   }
-  CodecProperties properties() const noexcept override {
+  CodecProperties base_properties() const noexcept override {
     CodecProperties p;
     p.linear = false;
     p.unbiased = true;  // E[level] = q (kernels/common/qsgd.hpp), up to float32 roundings

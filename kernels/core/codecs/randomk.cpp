@@ -26,7 +26,7 @@ class RandomKCodec final : public FamilyCodec<RandomKPlan> {
     if (unbiased_) c.add("unbiased", "true");
     set_spec(c.str());
   }
-  CodecProperties properties() const noexcept override {
+  CodecProperties base_properties() const noexcept override {
     CodecProperties p;
     p.linear = true;      // the same indices on every rank: the values add
     p.unbiased = unbiased_;

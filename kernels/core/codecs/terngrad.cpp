@@ -22,7 +22,7 @@ class TernGradCodec final : public FamilyCodec<TernGradPlan> {
     if (clip_ != 2.5) c.add("clip", clip_);
     set_spec(c.str());
   }
-  CodecProperties properties() const noexcept override {
+  CodecProperties base_properties() const noexcept override {
     CodecProperties p;
     p.linear = false;
     p.unbiased = clip_ == 0.0;  // E[D] = the clipped y

@@ -39,7 +39,7 @@ class TopKCodec final : public FamilyCodec<TopKPlan> {
     if (value_ != DType::none) c.add("value_dtype", dtype_name(value_));
     set_spec(c.str());
   }
-  CodecProperties properties() const noexcept override {
+  CodecProperties base_properties() const noexcept override {
     CodecProperties p;
     p.linear = false;
     p.unbiased = false;

@@ -28,7 +28,9 @@ from ..planner.table import (  # noqa: F401  (the format's reader, re-exported: 
 def default_specs() -> List[str]:
     """The specs gradcomp-bench runs by default: every registered codec's default (``Codec(name)``,
     or its first example spec when the name alone does not parse, as ``topk``), plus
-    ``topk:ratio=0.01``; registry order, no duplicates."""
+    ``topk:ratio=0.01``, ``qsgd:levels=16,coding=elias`` (with ``qsgd:levels=16`` beside it) and
+    ``int8:integrity=crc32c`` (the checksum's cost beside ``int8``);
+    registry order, no duplicates."""
     from ..codec import Codec, codecs
 
     out: List[str] = []
@@ -37,7 +39,9 @@ def default_specs() -> List[str]:
             spec = Codec(c["name"]).spec
         except ValueError:
             spec = Codec(c["examples"][0]).spec
-        for s in [spec] + (["topk:ratio=0.01"] if c["name"] == "topk" else []):
+        extra = {"topk": ["topk:ratio=0.01"], "qsgd": ["qsgd:levels=16", "qsgd:levels=16,coding=elias"],
+                 "int8": ["int8:integrity=crc32c"]}
+        for s in [spec] + extra.get(c["name"], []):
             s = Codec(s).spec
             if s not in out:
                 out.append(s)

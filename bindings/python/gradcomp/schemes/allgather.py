@@ -14,7 +14,7 @@ from ..codec import Codec, _dtype_name, aligned_empty
 from ..planner.bytes import all_gather_bytes
 from .allreduce import SumContext, _packet
 from .base import Scheme
-from .check import check_headers
+from .check import check_headers, decode_from
 from .context import SchemeContext, completed, one_round
 
 
@@ -89,7 +89,8 @@ def gather(tensor: torch.Tensor, ctx: SchemeContext, slots: Optional[Mapping[str
         pbytes = ctx.packet.numel()
         ctx.acc.zero_()
         for r in range(W):
-            dec.decode(ctx.gathered[r * pbytes: (r + 1) * pbytes], out=ctx.acc, accumulate=True, workspace=ws)
+            decode_from(dec, ctx.gathered[r * pbytes: (r + 1) * pbytes], r, "scheme 'gather': the all-gather of the packets",
+                        out=ctx.acc, accumulate=True, workspace=ws)
         tensor.view(-1).copy_(ctx.acc)
 
     return one_round(tensor, ctx, slots, probe, communicate, decode, "scheme 'gather': the all-gather of the packets",

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import _dtype_name as dtype_name
+from .. import _C
 from ..errors import RankMismatchError
 
 HEADER_MAGIC = 0x31504347  # "GCP1" little-endian
@@ -276,3 +277,14 @@ class PeerCheck:
             return (f"rank {r}'s {self._what(w)} holds {int(w[6])} parameters in another layout (parameter map "
                     f"crc32 0x{int(w[7]) & 0xFFFFFFFF:08x}), this rank {int(me[6])} (0x{int(me[7]) & 0xFFFFFFFF:08x})")
         return f"rank {r} sent another call descriptor"
+
+
+def decode_from(codec, packet: torch.Tensor, rank: int, what: str, **kwargs):
+    """``codec.decode(packet, **kwargs)`` of the packet rank ``rank`` sent; a
+    :class:`gradcomp.CorruptPacketError` (a header, index or ``integrity=crc32c`` checksum that does
+    not hold: bytes changed in transit) is raised again naming that rank and ``what`` (the
+    collective), so that every rank's error says where the bad bytes came from."""
+    try:
+        return codec.decode(packet, **kwargs)
+    except _C.CorruptPacketError as e:
+        raise _C.CorruptPacketError(f"{what}: the packet from rank {rank} is corrupt: {e}") from e

@@ -31,6 +31,7 @@ import torch
 from ..codec import Codec
 from ..planner.bytes import chunk_size
 from .base import Scheme
+from .check import decode_from
 from .context import NULL_PROBE, SchemeContext, completed
 from .two_phase import (TwoPhaseContext, _two_phase_kernels, _two_phase_packet, _two_phase_server,
                         all_gather_phase, reduce_scatter_phase, two_phase_steps)
@@ -55,8 +56,8 @@ def _vote(ctx: MajorityContext, dec, packets, ws) -> None:
     acc, votes, one = ctx.acc[:mine], ctx.votes[:mine], ctx.one[:mine]
     acc.zero_()
     votes.zero_()
-    for p in packets:
-        dec.decode(p, out=one, workspace=ws)
+    for j, p in enumerate(packets):
+        decode_from(dec, p, j, "scheme 'majority': the all-to-all of the sign packets", out=one, workspace=ws)
         votes.add_(torch.sign(one))
         acc.add_(one.abs())
     torch.where(votes >= 0, acc, -acc, out=acc)

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ..codec import Codec, _dtype_name, aligned_empty
 from ..planner.bytes import fsdp_slot
-from .check import check_headers
+from .check import check_headers, decode_from
 from .context import NULL_PROBE, collective_failed
 
 Segment = Tuple[int, int]
@@ -288,8 +288,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, ctx: ReduceScatter
         acc.zero_()
         ws = ctx.dec_codec.workspace(ctx.received, c, "float32")
         for j in range(W):
-            ctx.dec_codec.decode(ctx.slot_view(ctx.received, j, 0, ctx.pc[r]), out=acc, accumulate=True,
-                                 alpha=alpha, workspace=ws)
+            decode_from(ctx.dec_codec, ctx.slot_view(ctx.received, j, 0, ctx.pc[r]), j,
+                        "FSDP2 compressed reduce-scatter: the all-to-all of the row packets", out=acc, accumulate=True,
+                        alpha=alpha, workspace=ws)
         probe.decoded(ws)
     if e:
         acc_e = ctx.acc_e

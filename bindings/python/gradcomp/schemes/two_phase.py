@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..codec import Codec, _dtype_name, aligned_empty
 from ..planner.bytes import all_gather_bytes, chunk, chunk_size, two_phase_slots
 from .base import Scheme
-from .check import check_headers
+from .check import check_headers, decode_from
 from .collectives import all_gather_failsafe
 from .context import NULL_PROBE, SchemeContext, collective_failed, completed, prefer_mismatch
 
@@ -157,8 +157,9 @@ def _sum_packets(ctx, dec, packets, ws) -> None:
     first; accumulate)."""
     acc = ctx.acc[:ctx.chunks[ctx.rank][1]]
     acc.zero_()
-    for p in packets:
-        dec.decode(p, out=acc, accumulate=True, workspace=ws)
+    for j, p in enumerate(packets):
+        decode_from(dec, p, j, "scheme 'two_phase': the all-to-all of the chunk packets", out=acc, accumulate=True,
+                    workspace=ws)
 
 
 def reduce_scatter_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, probe=None,
@@ -259,8 +260,8 @@ def all_gather_phase(tensor: torch.Tensor, ctx: TwoPhaseContext, slots=None, pro
         ws = dec.workspace(ctx.gathered, len(ctx.acc), "float32")
         for j, (a, m) in enumerate(ctx.chunks):
             if m:
-                dec.decode(ctx.gathered[j * p2: j * p2 + dec.packet_bytes(m, "float32")], out=flat[a: a + m],
-                           workspace=ws)
+                decode_from(dec, ctx.gathered[j * p2: j * p2 + dec.packet_bytes(m, "float32")], j,
+                            "scheme 'two_phase': the all-gather of the summed chunks", out=flat[a: a + m], workspace=ws)
         probe.decoded(ws)
         probe.tock("decode_s", t5)
         return tensor

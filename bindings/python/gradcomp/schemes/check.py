@@ -168,12 +168,15 @@ class PeerCheck:
         local_world_size: hierarchical's L (0 else).
         late: on CUDA, a callable ``late(check, host_rows, event)`` that compares the rows one
             step later (the compressor's stats); None: :meth:`verify` waits for them.
+        alloc_failed: this rank could not allocate the call's buffers (word 13 = 1): every rank's
+            compare then fails naming it, before any collective of the call is started.
     """
 
     def __init__(self, group: Any, world_size: int, device: torch.device, *, step: int, key, numel: int,
                  dtype: Any, params: Optional[Sequence] = None, spec: str = "", spec_hash: int = 0,
                  scheme: str = "", inner: str = "", local_world_size: int = 0,
-                 late: Optional[Callable[["PeerCheck", torch.Tensor, Any], None]] = None):
+                 late: Optional[Callable[["PeerCheck", torch.Tensor, Any], None]] = None,
+                 alloc_failed: bool = False):
         self.group, self.world_size, self.device = group, int(world_size), torch.device(device)
         self.step, self.key, self.scheme, self.spec = int(step), key, scheme, spec
         self.label = describe_key(key)
@@ -183,7 +186,7 @@ class PeerCheck:
                  int(v) if kind == "index" else _crc(str(v)), int(numel), _dtype_code(dtype), len(pmap),
                  _crc(repr(pmap)), int(spec_hash), SCHEME_CODES.index(scheme if scheme in SCHEME_CODES else ""),
                  SCHEME_CODES.index(inner if inner in SCHEME_CODES else ""), int(local_world_size), self.world_size,
-                 0, 0, 0] + _pack_str(spec, 8) + _pack_str(str(v) if kind == "name" else "", 8)
+                 int(bool(alloc_failed)), 0, 0] + _pack_str(spec, 8) + _pack_str(str(v) if kind == "name" else "", 8)
         self.mine_host = np.array(words, dtype=np.int64)
         self.mine = torch.from_numpy(self.mine_host.copy()).to(self.device)
         self.rows: Optional[torch.Tensor] = None
@@ -235,6 +238,13 @@ class PeerCheck:
     def message(self, rows: np.ndarray, bad: Sequence[int]) -> str:
         """What differs between this rank's descriptor and those of the ranks ``bad``."""
         me = self.mine_host
+        short = [r for r in range(len(rows)) if int(rows[r][13]) == 1]
+        if short:  # a rank could not allocate: that is the error, whatever else differs
+            return (f"gradcomp: step {self.step}, {self.label} (codec {self.spec}, scheme {self.scheme}): rank(s) "
+                    f"{', '.join(map(str, short))} could not allocate the buffers of {self._what(me)} "
+                    f"({int(me[4])} elements; the packet, the received packets and the workspace of scheme "
+                    f"{self.scheme}): out of memory there. Nothing was sent: no rank waits for it. Free memory, "
+                    f"or use smaller buckets or a codec with smaller packets.")
         parts = [self._diff(int(r), rows[r], me) for r in bad[:8]]
         more = f"; {len(bad) - 8} more ranks differ" if len(bad) > 8 else ""
         return (f"gradcomp: step {self.step}, {self.label} (codec {self.spec}, scheme {self.scheme}): ranks disagree: "

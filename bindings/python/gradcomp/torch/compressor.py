@@ -676,21 +676,23 @@ class Compressor(BaseCompressor):
         return not_applied(att, self._context(att, key, scheme))
 
     def _check(self, att: Attempt, key, tensor, route: Optional[_Route], scheme: str,
-               codec: Optional[Codec]) -> Optional[PeerCheck]:
+               codec: Optional[Codec], short: Optional[BaseException] = None) -> Optional[PeerCheck]:
         """The ranks' call descriptors (:func:`gradcomp.torch.journal.peer_check`): the call's
         parameter map (exempt entries marked) and the codec of its step (``"dense"`` on a dense
-        step of the ramp)."""
+        step of the ramp). ``short``: this rank could not allocate the route's buffers (the
+        descriptors are then compared at once, before anything is sent)."""
         params = route.check_params() if route is not None else None
         shown = route.shown() if route is not None and route.scheme == scheme else {}
         spec = spec_of(codec)
         sig = (tensor.numel(), tensor.dtype, scheme, tuple(shown.items()), None if params is None else tuple(params),
-               spec)
+               spec, short is not None)
 
         def make(now: bool) -> PeerCheck:
             return PeerCheck(self.group, self.world_size, tensor.device, step=att.step, key=key,
                              numel=tensor.numel(), dtype=tensor.dtype, params=params, spec=spec,
                              spec_hash=codec.spec_hash if codec is not None else 0, scheme=scheme,
-                             late=None if now else self._stats.expect_check, **shown)
+                             late=None if now else self._stats.expect_check, alloc_failed=short is not None,
+                             **shown)
 
         return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e))
 
@@ -743,8 +745,37 @@ class Compressor(BaseCompressor):
         if dense or route.scheme == "dense":
             return self._dense(att, tensor, key, route.full, joined,
                                self._check(att, key, tensor, route, "dense", codec), codec)
-        return self._compressed(att, tensor, key, route, joined,
-                                self._check(att, key, tensor, route, route.scheme, codec))
+        short = self._prepare(route)
+        check = self._check(att, key, tensor, route, route.scheme, codec, short=short)
+        if short is not None:  # every rank could not allocate (so no descriptor differed): all raise here
+            raise self._failed(att, key, route.scheme, short)
+        return self._compressed(att, tensor, key, route, joined, check)
+
+    def _prepare(self, route: _Route) -> Optional[BaseException]:
+        """A route's buffers, allocated before its first call sends anything: the scheme context
+        (packet, received packets, accumulators), and (allocated and dropped) one decode workspace
+        and the error-feedback residuals with their backups. Returns the allocation error (out of memory) instead of
+        raising it, so that the call's descriptor tells every rank (:class:`PeerCheck`
+        ``alloc_failed``) and no rank is left waiting in a collective; other errors propagate."""
+        if route.ctx is not None:
+            return None
+        lay = route.layout
+        try:
+            ctx = SchemeContext.for_layout(route.scheme, route.codec, lay.numel, lay.dtype, lay.device,
+                                           self.group, self.world_size, rank=self.rank, **route.options)
+            if getattr(ctx, "dec_codec", None) is not None and getattr(ctx, "packet", None) is not None:
+                ctx.dec_codec.workspace(ctx.packet)  # (hierarchical's inner contexts hold theirs)
+            if self.error_feedback and "residual" in scheme_table.get(route.scheme).slots and lay.residual is None:
+                # the residual slots and their backups the call's activate allocates: tried, dropped
+                torch.empty(2 * len(self.store.slot_names) * lay.numel, dtype=torch.float32, device=lay.device)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            return e
+        except RuntimeError as e:  # the CPU allocator's "can't allocate memory"
+            if "allocate" not in str(e):
+                raise
+            return e
+        route.ctx = ctx
+        return None
 
     def _split(self, key, tensor, entries: list) -> Optional[_Split]:
         """How ``tensor``'s map divides between exempt and compressed parameters (cached per
@@ -884,9 +915,7 @@ class Compressor(BaseCompressor):
         split = route.split
         codec = route.codec
         desc = scheme_table.get(route.scheme)
-        if route.ctx is None:
-            route.ctx = SchemeContext.for_layout(route.scheme, codec, lay.numel, lay.dtype, lay.device,
-                                                 self.group, self.world_size, rank=self.rank, **route.options)
+        # route.ctx: allocated by _prepare before the call's descriptor went out
         # the server residual (ResidualStore docstring): the scheme's server range (two_phase,
         # this rank's chunk; hierarchical with inner two_phase, this rank's piece of its node
         # chunk), folded with factor W

@@ -1,0 +1,66 @@
+"""A bucket whose buffers cannot be allocated fails the step on every rank before any collective
+of it is started (issue 26: no rank is left waiting).
+
+On 2 real gloo ranks, rank 1 lowers its address-space limit (RLIMIT_AS) to its current size plus
+32 MiB, so the scheme context of a 2^24-element bucket (its packet, the all-gathered packets and the
+float32 accumulator, 112 MiB) really fails to allocate there. Checked: both ranks' calls raise
+within the gloo timeout, naming rank 1 and the bucket; then, the limit restored, the same call on
+both ranks succeeds and equals the plain average of the int8 round trips.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import gradcomp
+from gradcomp.experiments.pool import shared
+
+N = 1 << 24
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def job(rank, world):
+    from gradcomp.torch import Compressor
+
+    comp = Compressor("int8:block=4096", scheme="gather", min_compress_numel=1, error_feedback=False)
+    t = torch.full((N,), float(rank + 1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (32 << 20), hard))
+    t0 = time.monotonic()
+    err = None
+    try:
+        comp.allreduce(t, "w").wait()
+    except Exception as e:  # noqa: BLE001 - the test reads its type and message
+        err = f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    took = time.monotonic() - t0
+    out = comp.allreduce(t, "w").wait()  # memory back: the same call goes through
+    return err, took, float(out[0]), float(out[-1])
+
+
+def test_allocation_failure_fails_every_rank_at_once():
+    pool = shared(2, gloo_timeout_s=60.0, env=[{"GRADCOMP_EXIT_WAIT_S": "1"}] * 2)
+    try:
+        res = pool.run(job, timeout=240)
+    finally:
+        pool.close()
+    for rank, (err, took, first, last) in enumerate(res):
+        assert err is not None, f"rank {rank}: the call did not fail"
+        assert "rank(s) 1 could not allocate the buffers of tensor 'w'" in err and "Nothing was sent" in err, err
+        assert took < 30, f"rank {rank} waited {took:.1f} s"
+        # both ranks' tensors are constant: int8 codes of 1.0 and 2.0 decode exactly, the mean is 1.5
+        assert first == last == pytest.approx(1.5, abs=0), (rank, first, last)

@@ -161,8 +161,8 @@ def test_default_sweep_plan():
     default 9 codecs, 24 SGD runs, codec none without error feedback only (under --ef both), 2
     seeds for none, top-k and onebit, 1 for the casts and the block quantizers, then Adam and 1-bit
     Adam with 1 seed each (26 runs); with --full top-k at 0.1, random-k 1%, the fp8 variants e5m2
-    and e8m0, QSGD s=16 and TernGrad too, 3 seeds and 2 per optimizer row (63 runs). auto picks
-    two_phase for onebit."""
+    and e8m0, QSGD s=16 (dense and Elias-coded), TernGrad and onebit@majority (signSGD's majority
+    vote) too, 3 seeds and 2 per optimizer row (75 runs). auto picks two_phase for onebit."""
     import torch
 
     from gradcomp import planner
@@ -171,8 +171,9 @@ def test_default_sweep_plan():
 
     codecs = ["none", "fp16", "bf16", "topk:ratio=0.01", "topk:ratio=0.001", "fp8", "int8", "int4", "onebit"]
     full = (codecs[:3] + ["topk:ratio=0.1"] + codecs[3:5] + ["randomk:ratio=0.01"] + codecs[5:6]
-            + ["fp8:format=e5m2", "fp8:scale=e8m0"] + codecs[6:8] + ["qsgd:levels=16", "terngrad"] + codecs[8:])
-    for argv, cl, n_seeds, n_opt_seeds, n_sgd in (([], codecs, 2, 1, 24), (["--full"], full, 3, 2, 59)):
+            + ["fp8:format=e5m2", "fp8:scale=e8m0"] + codecs[6:8]
+            + ["qsgd:levels=16", "qsgd:levels=16,coding=elias", "terngrad"] + codecs[8:] + ["onebit@majority"])
+    for argv, cl, n_seeds, n_opt_seeds, n_sgd in (([], codecs, 2, 1, 24), (["--full"], full, 3, 2, 71)):
         a = parse_args(argv)
         assert a.tasks == ["digits", "charlm"]
         d = a.digits
@@ -193,7 +194,8 @@ def test_default_sweep_plan():
             seeds.setdefault((r["codec"], r["error_feedback"]), []).append(r["seed"])
         assert seeds[("none", False)] == list(range(n_seeds)) and ("none", True) not in seeds
         for c in [c for c in ("topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "randomk:ratio=0.01",
-                              "qsgd:levels=16", "terngrad", "onebit") if c in cl]:
+                              "qsgd:levels=16", "qsgd:levels=16,coding=elias", "terngrad", "onebit",
+                              "onebit@majority") if c in cl]:
             assert seeds[(c, False)] == seeds[(c, True)] == list(range(n_seeds))
         for c in cl:
             if c.partition(":")[0] in ("fp16", "bf16", "fp8", "int8", "int4"):

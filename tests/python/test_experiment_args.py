@@ -30,7 +30,10 @@ def test_seed_families_are_registered_codecs():
 @pytest.mark.parametrize("lst", ["DEFAULT_CODECS", "DIGITS_FULL_CODECS", "CHARLM_CODECS", "CHARLM_FULL_CODECS"])
 def test_default_codec_lists_are_registered_specs(lst):
     """Every spec of the default sweeps builds a registered codec of its family (or is the
-    low-rank hook's ``powersgd:rank=R``), once per list."""
+    low-rank hook's ``powersgd:rank=R``), once per list; a ``SPEC@SCHEME`` entry names a scheme of
+    the table."""
+    from gradcomp.schemes import SCHEMES
+
     names = _registered()
     specs = getattr(args, lst)
     assert len(set(specs)) == len(specs)
@@ -40,7 +43,9 @@ def test_default_codec_lists_are_registered_specs(lst):
             args.check_powersgd_spec(spec)
             continue
         assert fam in names, spec
-        assert Codec(spec).spec.partition(":")[0] == fam
+        only, scheme = args.split_scheme(spec)
+        assert scheme == "auto" or scheme in SCHEMES, spec
+        assert Codec(only).spec.partition(":")[0] == fam
 
 
 def test_main_reexports_the_modules_names():
@@ -186,3 +191,18 @@ def test_fsdp2_output_files_and_footer():
     assert lines[2] == "Relative to dense (2.5000 bits/char): int8 +EF +0.40%, none +0.00%."
     # no dense row (an explicit --codecs without it): no relative line
     assert len(report.fsdp2_lines(summary[1:], "bpc", "bits/char", "x", 1000, 40, 4)) == 2
+
+
+def test_spec_at_scheme_entries(capsys):
+    """``SPEC@SCHEME`` (DDP): the scheme must be one of the table's; FSDP2 refuses it."""
+    from gradcomp.experiments.__main__ import parse_args
+
+    assert args.split_scheme("onebit@majority") == ("onebit", "majority")
+    assert args.split_scheme("topk:ratio=0.01") == ("topk:ratio=0.01", "auto")
+    assert args.family("onebit@majority") == "onebit"
+    assert parse_args(["--task", "digits", "--codecs", "onebit@majority"]).digits.codec_list == ["onebit@majority"]
+    for argv, msg in [(["--task", "digits", "--codecs", "onebit@nope"], "unknown scheme 'nope'"),
+                      (["--task", "digits", "--engine", "fsdp2", "--codecs", "onebit@majority"], "--engine ddp")]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert msg in capsys.readouterr().err

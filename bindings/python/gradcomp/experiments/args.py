@@ -22,11 +22,12 @@ ENGINES = ("ddp", "fsdp2")
 # --full only since the charlm method rows came (each reads as its neighbours: top-k 0.1 = dense on
 # digits, PowerSGD rank 2 between top-k 1% and rank 4)
 DEFAULT_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.01", "topk:ratio=0.001", "fp8", "int8", "int4", "onebit"]
-# random-k 1%, QSGD s=16 and TernGrad are --full only: with error feedback on and off over 2 seeds
-# they would add about a minute and a half to the default's 4 (each digits run is 6-7 s on 2 cores)
+# random-k 1%, QSGD s=16 (dense and Elias-coded), TernGrad and signSGD's majority vote (onebit@majority)
+# are --full only: with error feedback on and off over 2 seeds they would add about two minutes to the
+# default's 4 (each digits run is 6-7 s on 2 cores)
 DIGITS_FULL_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001",
                       "randomk:ratio=0.01", "fp8", "fp8:format=e5m2", "fp8:scale=e8m0", "int8", "int4",
-                      "qsgd:levels=16", "terngrad", "onebit"]
+                      "qsgd:levels=16", "qsgd:levels=16,coding=elias", "terngrad", "onebit", "onebit@majority"]
 
 CHARLM_CODECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:rank=4"]
 CHARLM_FULL_CODECS = ["none", "fp16", "bf16", "topk:ratio=0.1", "topk:ratio=0.01", "topk:ratio=0.001", "int8",
@@ -66,8 +67,15 @@ OPTIMIZERS = {"adam": ("Adam", False), "onebit_adam": ("1-bit Adam", True)}
 
 def family(codec: str) -> str:
     """The family of a codec spec: its name before ``:`` (``"topk"`` of ``"topk:ratio=0.01"``,
-    ``"powersgd"`` of ``"powersgd:rank=2"``)."""
-    return codec.partition(":")[0].strip()
+    ``"powersgd"`` of ``"powersgd:rank=2"``, ``"onebit"`` of ``"onebit@majority"``)."""
+    return split_scheme(codec)[0].partition(":")[0].strip()
+
+
+def split_scheme(codec: str):
+    """A codec-list entry ``SPEC`` or ``SPEC@SCHEME`` (DDP: the hook's scheme instead of ``auto``,
+    e.g. ``onebit@majority``, signSGD's majority vote) -> ``(SPEC, SCHEME or "auto")``."""
+    spec, _, scheme = codec.partition("@")
+    return spec.strip(), scheme.strip() or "auto"
 
 
 def _fsdp2_list(ddp_list: List[str], add: List[str]) -> List[str]:
@@ -243,8 +251,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g = p.add_argument_group("sweep (every selected task; default: each task's own)")
     g.add_argument("--codecs", default=None,
                    help="codec specs separated by ';' (a spec itself may hold commas, e.g. "
-                        "'topk:k=50,value_dtype=float16'; 'powersgd:rank=R' for the low-rank hook). digits: "
-                        + ";".join(DEFAULT_CODECS) + " (--full: also topk:ratio=0.1;randomk:ratio=0.01;fp8:format=e5m2;fp8:scale=e8m0;qsgd:levels=16;terngrad). "
+                        "'topk:k=50,value_dtype=float16'; 'powersgd:rank=R' for the low-rank hook; DDP: SPEC@SCHEME "
+                        "runs the hook with that scheme instead of auto, e.g. 'onebit@majority'). digits: "
+                        + ";".join(DEFAULT_CODECS) + " (--full: also "
+                        + ";".join(c for c in DIGITS_FULL_CODECS if c not in DEFAULT_CODECS) + "). "
                         "charlm: "
                         + ";".join(CHARLM_CODECS)
                         + " (--full: " + ";".join(CHARLM_FULL_CODECS) + ")")
@@ -425,7 +435,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 if family(spec) == "powersgd":
                     check_powersgd_spec(spec)
                 else:
-                    Codec(spec)
+                    only, scheme = split_scheme(spec)
+                    if scheme != "auto":
+                        from ..schemes import SCHEMES
+
+                        if fsdp2:
+                            raise ValueError(f"{spec!r}: SPEC@SCHEME is for --engine ddp (FSDP2 runs its "
+                                             f"reduce-scatter)")
+                        if scheme not in SCHEMES:
+                            raise ValueError(f"{spec!r}: unknown scheme {scheme!r}; accepted: "
+                                             f"{', '.join(SCHEMES)}")
+                    Codec(only)
             except ValueError as e:
                 p.error(f"--codecs: {e}")
         if any(family(s) == "powersgd" for s in explicit) and not powersgd_available():

@@ -58,15 +58,19 @@ STATS_LOG_EVERY = 10
 def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int, stats_log: Optional[str] = None):
     """Register the gradcomp hook of a run on the DDP model and return its state (whose
     ``stats()`` the run reports): ``gradcomp.torch.register`` with the codec spec, error feedback
-    and ``start_iter``, scheme ``auto`` and ``min_compress_numel=0`` (every bucket compressed),
+    and ``start_iter``, scheme ``auto`` (or SCHEME of a ``SPEC@SCHEME`` entry, e.g.
+    ``onebit@majority``) and ``min_compress_numel=0`` (every bucket compressed),
     whatever the protocol (a ``powersgd:rank=R`` spec gets the low-rank hook's state from the
     protocol table, :mod:`gradcomp.torch.protocol`). Both tasks register this way. With
     ``stats_log`` (a path) the hook appends the report of every :data:`STATS_LOG_EVERY`-th step
     to it (``log_file``; every rank to the same file, each row naming its rank)."""
     import gradcomp.torch as gt
 
+    from .args import split_scheme
+
     log = {} if stats_log is None else {"log_every": STATS_LOG_EVERY, "log_file": stats_log}
-    return gt.register(ddp, codec=codec, error_feedback=error_feedback, scheme="auto", start_iter=start_iter,
+    spec, scheme = split_scheme(codec)
+    return gt.register(ddp, codec=spec, error_feedback=error_feedback, scheme=scheme, start_iter=start_iter,
                        min_compress_numel=0, **log)
 
 

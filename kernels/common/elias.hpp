@@ -84,8 +84,14 @@ struct Reader {
   //! The next 57 or more bits, most significant first (zeros below them).
   GRADCOMP_HD uint64_t peek() const {
     const uint8_t* p = s + (at >> 3);
+#if defined(__CUDA_ARCH__)
     uint64_t v = 0;
     for (int i = 0; i < 8; ++i) v = (v << 8) | p[i];
+#else
+    uint64_t v;
+    __builtin_memcpy(&v, p, 8);
+    v = __builtin_bswap64(v); // big-endian: byte 0 most significant
+#endif
     return v << (at & 7);
   }
   GRADCOMP_HD uint32_t bit() {

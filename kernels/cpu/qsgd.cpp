@@ -5,12 +5,14 @@
 // residual; decode element-wise. coding=elias (common/elias.hpp): the codes go to the workspace,
 // then per block (OpenMP) their bit counts, a serial prefix sum into the block ends, and per block
 // the bits at their offset (the bytes a block shares with its neighbours OR-ed atomically); decode
-// parses every block once to validate before anything is written, then again to write.
+// parses every block into an n-byte buffer (checking it) before anything is written, then decodes
+// the codes as coding=dense does.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 
 #include "../common/elias.hpp"
 #include "../common/qsgd.hpp"
@@ -201,10 +203,10 @@ void encode(const QsgdPlan& p, const EncodeArgs& a) {
   }
 }
 
-//! Check an Elias stream (header `h`) before anything is written: the block ends never decrease and
-//! the last is the header's bit count, within the capacity; every block parses to exactly its
-//! bits. Throws CorruptPacket naming what is wrong.
-void elias_check(const QsgdPlan& p, const PacketHeader& h, const uint8_t* packet) {
+//! Parse an Elias stream (header `h`) into `codes` (p.numel int8) before anything is written to
+//! out: the block ends never decrease and the last is the header's bit count, within the capacity;
+//! every block parses to exactly its bits. Throws CorruptPacket naming what is wrong.
+void elias_check(const QsgdPlan& p, const PacketHeader& h, const uint8_t* packet, int8_t* codes) {
   const int64_t n = p.numel, B = p.block, nb = p.nblocks;
   const uint8_t* stream = packet + p.layout.sections[0].offset;
   const auto* ends = reinterpret_cast<const uint32_t*>(packet + p.layout.sections[2].offset);
@@ -225,14 +227,10 @@ void elias_check(const QsgdPlan& p, const PacketHeader& h, const uint8_t* packet
     throw_corrupt_packet("decode: qsgd coding=elias: the stream has non-zero bits past its %llu bits (capacity %lld)",
                          (unsigned long long)total, (long long)(8 * n));
   int64_t bad = -1;
-#pragma omp parallel num_threads(p.threads)
-  {
-    alignas(64) int8_t tmp[qsgd::kMaxBlock];
-#pragma omp for schedule(static) reduction(max : bad)
-    for (int64_t b = 0; b < nb; ++b)
-      if (!elias::parse_block(stream, b ? ends[b - 1] : 0, ends[b], tmp, std::min(B, n - b * B), p.levels))
-        bad = std::max(bad, b);
-  }
+#pragma omp parallel for num_threads(p.threads) schedule(static) reduction(max : bad)
+  for (int64_t b = 0; b < nb; ++b)
+    if (!elias::parse_block(stream, b ? ends[b - 1] : 0, ends[b], codes + b * B, std::min(B, n - b * B), p.levels))
+      bad = std::max(bad, b);
   if (bad >= 0)
     throw_corrupt_packet("decode: qsgd coding=elias: block %lld's stream bits [%u, %u) are not a valid sequence of "
                          "(gap, sign, level) codes with positions inside the block and levels in [1, %d]",
@@ -246,7 +244,9 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
   const auto* norms = reinterpret_cast<const float*>(a.packet + p.layout.sections[1].offset);
   const bool parse = p.elias && !(h.flags & kFlagFallback);
   const auto* ends = reinterpret_cast<const uint32_t*>(a.packet + p.layout.sections[p.elias ? 2 : 0].offset);
-  if (parse) elias_check(p, h, a.packet);
+  // the parsed codes (n bytes; a decode's workspace may be null on the CPU)
+  std::unique_ptr<int8_t[]> parsed(parse ? new int8_t[size_t(p.numel) + 1] : nullptr);
+  if (parse) elias_check(p, h, a.packet, parsed.get());
   if (p.elias && !parse && (h.main_param != 0 || std::any_of(ends, ends + p.nblocks, [](uint32_t e) { return e != 0; })))
     throw_corrupt_packet("decode: qsgd coding=elias: a fallback packet (header flag bit 1) must have main parameter 0 "
                          "and zero ends; this one has %llu", (unsigned long long)h.main_param);
@@ -261,17 +261,11 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
 #pragma omp parallel num_threads(T)
     {
       clock.arrive();
-      alignas(64) int8_t tmp[qsgd::kMaxBlock];
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < p.nblocks; ++b) {
         const float dscale = div_rn(norms[b], levels);
         const int64_t lo = b * B, len = std::min(B, n - lo);
-        const int8_t* c = codes + lo;
-        if (parse) { // checked above: parses
-          elias::parse_block(reinterpret_cast<const uint8_t*>(codes), b ? ends[b - 1] : 0, ends[b], tmp, len,
-                             p.levels);
-          c = tmp;
-        }
+        const int8_t* c = (parse ? parsed.get() : codes) + lo;
         for (int64_t t = 0; t < len; ++t) {
           const float v = mul_rn(mul_rn(dscale, float(c[t])), alpha);
           out[lo + t] = O::store(acc ? add_rn(O::load(out[lo + t]), v) : v);

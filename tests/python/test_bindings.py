@@ -153,7 +153,7 @@ def test_spec_canonical(spec, canonical):
         ("topk:k=3,foo=1", ["unknown key 'foo'", "ratio, k, index, value_dtype"]),
         ("topk:k=3,k=4", ["'k' given twice"]),
         ("topk:k", ["'k' is not key=value"]),
-        ("fp16:ratio=0.1", ["unknown key 'ratio'", "(none)"]),
+        ("fp16:ratio=0.1", ["unknown key 'ratio'", "accepted keys: integrity"]),
         # issue 19 (7): PowerSGD is a Compressor protocol, not a codec; the error says where it goes
         ("powersgd:rank=4", ["PowerSGD is not a codec", "gradcomp.torch.Compressor('powersgd:rank=4')"]),
     ],
@@ -581,7 +581,9 @@ def test_codecs_lists_the_registry():
     by = {c["name"]: c for c in cs}
     assert list(by)[:4] == ["none", "fp16", "bf16", "topk"]
     assert {n: by[n]["id"] for n in ("none", "fp16", "bf16", "topk")} == {"none": 1, "fp16": 2, "bf16": 3, "topk": 4}
-    assert by["topk"]["keys"] == ["ratio", "k", "index", "value_dtype"] and by["fp16"]["keys"] == []
+    # integrity= (the CRC-32C section) is every codec's key, listed last
+    assert by["topk"]["keys"] == ["ratio", "k", "index", "value_dtype", "integrity"]
+    assert by["fp16"]["keys"] == ["integrity"]
     for c in cs:
         assert c["examples"] and c["summary"]
         for e in c["examples"]:

@@ -202,7 +202,12 @@ def test_spec_at_scheme_entries(capsys):
     assert args.family("onebit@majority") == "onebit"
     assert parse_args(["--task", "digits", "--codecs", "onebit@majority"]).digits.codec_list == ["onebit@majority"]
     for argv, msg in [(["--task", "digits", "--codecs", "onebit@nope"], "unknown scheme 'nope'"),
-                      (["--task", "digits", "--engine", "fsdp2", "--codecs", "onebit@majority"], "--engine ddp")]:
+                      (["--task", "digits", "--engine", "fsdp2", "--codecs", "onebit@majority"], "--engine ddp"),
+                      (["--task", "digits", "--codecs", "onebit@"], "both parts non-empty"),
+                      (["--task", "digits", "--codecs", "topk:ratio=0.01@majority"],
+                       "scheme 'majority' takes the onebit codec (signs), not 'topk:ratio=0.01'"),
+                      (["--task", "digits", "--codecs", "int8:integrity=crc32c@sum"], "takes a linear codec"),
+                      (["--task", "digits", "--codecs", "onebit@hierarchical"], "needs local_world_size")]:
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert msg in capsys.readouterr().err

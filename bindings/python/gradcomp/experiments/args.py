@@ -14,6 +14,7 @@ from typing import List, Optional
 from ..codec import Codec
 from . import charlm
 from .fsdp2 import DENSE
+from .runner import family_of, split_scheme
 
 TASKS = ("digits", "charlm")
 ENGINES = ("ddp", "fsdp2")
@@ -68,14 +69,7 @@ OPTIMIZERS = {"adam": ("Adam", False), "onebit_adam": ("1-bit Adam", True)}
 def family(codec: str) -> str:
     """The family of a codec spec: its name before ``:`` (``"topk"`` of ``"topk:ratio=0.01"``,
     ``"powersgd"`` of ``"powersgd:rank=2"``, ``"onebit"`` of ``"onebit@majority"``)."""
-    return split_scheme(codec)[0].partition(":")[0].strip()
-
-
-def split_scheme(codec: str):
-    """A codec-list entry ``SPEC`` or ``SPEC@SCHEME`` (DDP: the hook's scheme instead of ``auto``,
-    e.g. ``onebit@majority``, signSGD's majority vote) -> ``(SPEC, SCHEME or "auto")``."""
-    spec, _, scheme = codec.partition("@")
-    return spec.strip(), scheme.strip() or "auto"
+    return family_of(codec)
 
 
 def _fsdp2_list(ddp_list: List[str], add: List[str]) -> List[str]:
@@ -436,15 +430,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     check_powersgd_spec(spec)
                 else:
                     only, scheme = split_scheme(spec)
-                    if scheme != "auto":
-                        from ..schemes import SCHEMES
-
-                        if fsdp2:
-                            raise ValueError(f"{spec!r}: SPEC@SCHEME is for --engine ddp (FSDP2 runs its "
-                                             f"reduce-scatter)")
-                        if scheme not in SCHEMES:
-                            raise ValueError(f"{spec!r}: unknown scheme {scheme!r}; accepted: "
-                                             f"{', '.join(SCHEMES)}")
+                    if scheme != "auto" and fsdp2:
+                        raise ValueError(f"{spec!r}: SPEC@SCHEME is for --engine ddp (FSDP2 runs its "
+                                         f"reduce-scatter)")
                     Codec(only)
             except ValueError as e:
                 p.error(f"--codecs: {e}")

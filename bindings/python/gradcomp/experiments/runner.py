@@ -55,6 +55,41 @@ STATS_LOG_EVERY = 10
 """Steps between the rows of a run's stats log (``cfg["stats_log"]``, :func:`register_hook`)."""
 
 
+def split_scheme(codec: str):
+    """A codec-list entry ``SPEC`` or ``SPEC@SCHEME`` (DDP: the hook's scheme instead of ``auto``,
+    e.g. ``onebit@majority``, signSGD's majority vote) -> ``(SPEC, SCHEME or "auto")``.
+
+    Raises:
+        ValueError: an empty SPEC or SCHEME around the ``@``, or a SCHEME that is not in the scheme
+            table, does not take the codec (``sum``: a linear codec; ``majority``: onebit) or needs
+            a route option the sweep does not give (``hierarchical``: its local world size).
+    """
+    if "@" not in codec:
+        return codec.strip(), "auto"
+    spec, _, scheme = codec.partition("@")
+    spec, scheme = spec.strip(), scheme.strip()
+    if not spec or not scheme:
+        raise ValueError(f"{codec!r}: accepted: SPEC or SPEC@SCHEME with both parts non-empty")
+    from ..codec import Codec
+    from ..planner import schemes as scheme_table
+
+    names = scheme_table.names()
+    if scheme not in names:
+        raise ValueError(f"{codec!r}: unknown scheme {scheme!r}; accepted: {', '.join(names)}")
+    desc = scheme_table.get(scheme)
+    if desc.requires:
+        raise ValueError(f"{codec!r}: scheme {scheme!r} needs {', '.join(desc.requires)}, which the sweep does not "
+                         f"set; accepted here: {', '.join(n for n in names if not scheme_table.get(n).requires)}")
+    if family_of(spec) != "powersgd" and not desc.accepts(Codec(spec)):
+        raise ValueError(f"{codec!r}: scheme {scheme!r} takes {desc.needs()}, not {spec!r}")
+    return spec, scheme
+
+
+def family_of(codec: str) -> str:
+    """The family of a codec-list entry: its name before ``:`` (and ``@``)."""
+    return codec.partition("@")[0].partition(":")[0].strip()
+
+
 def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int, stats_log: Optional[str] = None):
     """Register the gradcomp hook of a run on the DDP model and return its state (whose
     ``stats()`` the run reports): ``gradcomp.torch.register`` with the codec spec, error feedback
@@ -65,8 +100,6 @@ def register_hook(ddp, codec: str, error_feedback: bool, start_iter: int, stats_
     ``stats_log`` (a path) the hook appends the report of every :data:`STATS_LOG_EVERY`-th step
     to it (``log_file``; every rank to the same file, each row naming its rank)."""
     import gradcomp.torch as gt
-
-    from .args import split_scheme
 
     log = {} if stats_log is None else {"log_every": STATS_LOG_EVERY, "log_file": stats_log}
     spec, scheme = split_scheme(codec)

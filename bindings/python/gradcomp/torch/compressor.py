@@ -676,11 +676,12 @@ class Compressor(BaseCompressor):
         return not_applied(att, self._context(att, key, scheme))
 
     def _check(self, att: Attempt, key, tensor, route: Optional[_Route], scheme: str,
-               codec: Optional[Codec], short: Optional[BaseException] = None) -> Optional[PeerCheck]:
+               codec: Optional[Codec], short: Optional[BaseException] = None, now: bool = False) -> Optional[PeerCheck]:
         """The ranks' call descriptors (:func:`gradcomp.torch.journal.peer_check`): the call's
         parameter map (exempt entries marked) and the codec of its step (``"dense"`` on a dense
-        step of the ramp). ``short``: this rank could not allocate the route's buffers (the
-        descriptors are then compared at once, before anything is sent)."""
+        step of the ramp). ``short``: this rank could not allocate the route's buffers; ``now``:
+        the route's buffers were allocated by this call (every rank's at the same call). With
+        either the descriptors are compared at once, before anything is sent."""
         params = route.check_params() if route is not None else None
         shown = route.shown() if route is not None and route.scheme == scheme else {}
         spec = spec_of(codec)
@@ -694,7 +695,8 @@ class Compressor(BaseCompressor):
                              late=None if now else self._stats.expect_check, alloc_failed=short is not None,
                              **shown)
 
-        return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e))
+        return peer_check(att, self._verified, key, sig, make, lambda e: self._failed(att, key, scheme, e),
+                          now=now or short is not None)
 
     def _single(self, tensor, key) -> torch.futures.Future:
         """World size 1: nothing is sent and ``tensor`` is the average already. Said once; the
@@ -745,8 +747,9 @@ class Compressor(BaseCompressor):
         if dense or route.scheme == "dense":
             return self._dense(att, tensor, key, route.full, joined,
                                self._check(att, key, tensor, route, "dense", codec), codec)
+        fresh = route.ctx is None
         short = self._prepare(route)
-        check = self._check(att, key, tensor, route, route.scheme, codec, short=short)
+        check = self._check(att, key, tensor, route, route.scheme, codec, short=short, now=fresh)
         if short is not None:  # every rank could not allocate (so no descriptor differed): all raise here
             raise self._failed(att, key, route.scheme, short)
         return self._compressed(att, tensor, key, route, joined, check)

@@ -151,18 +151,20 @@ class StepJournal:
 
 
 def peer_check(att: Attempt, verified: dict, key, sig, make: Callable[[bool], object],
-               fail: Callable[[BaseException], BaseException]):
+               fail: Callable[[BaseException], BaseException], now: bool = False):
     """The ranks' call descriptors of one call (:class:`gradcomp.schemes.check.PeerCheck`, built
     by ``make(now)``): when ``key``'s call signature ``sig`` is new (a first call, a new layout,
     scheme or dtype) they are compared at once, in the calling thread, before anything is sent
     (so a mismatched numel never reaches a collective of another size) and None is returned;
     else the first call of each attempt returns the check for its scheme to run beside its
-    collective (compared before the first decode); later calls of the attempt get None.
+    collective (compared before the first decode); later calls of the attempt get None. ``now``
+    compares at once whatever the signature (a call whose buffers were just allocated: every rank
+    allocates at the same call, so they all compare there).
 
     Raises:
         the error ``fail(e)`` returns (the step fails) when the descriptors differ.
     """
-    new = verified.get(key) != sig
+    new = now or verified.get(key) != sig
     if not new and att.checked:
         return None
     att.checked = True

@@ -64,3 +64,60 @@ def test_allocation_failure_fails_every_rank_at_once():
         assert took < 30, f"rank {rank} waited {took:.1f} s"
         # both ranks' tensors are constant: int8 codes of 1.0 and 2.0 decode exactly, the mean is 1.5
         assert first == last == pytest.approx(1.5, abs=0), (rank, first, last)
+
+
+def job_fsdp2(rank, world):
+    """FSDP2 on a CPU mesh: rank 1's reduce-scatter context of its unit (a Linear(4096, 4096))
+    is built under RLIMIT_AS at the process's current size, so its allocations really fail."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradcomp.torch import fsdp
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    m = nn.Sequential(nn.Linear(4096, 4096, bias=False))
+    fully_shard(m, mesh=mesh)
+    fsdp.register(m, "int8", error_feedback=True)
+    real = fsdp.ReduceScatterContext
+    limited = {"on": rank == 1}
+
+    def context(*a, **k):
+        if not limited["on"]:
+            return real(*a, **k)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes(), hard))
+        try:
+            return real(*a, **k)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+    fsdp.ReduceScatterContext = context
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(rank))
+    t0 = time.monotonic()
+    err = None
+    try:
+        m(x).pow(2).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the test reads its message
+        err = f"{type(e).__name__}: {e}"
+    took = time.monotonic() - t0
+    limited["on"] = False  # memory back: the next step goes through
+    m.zero_grad()
+    m(x).pow(2).sum().backward()
+    fsdp.ReduceScatterContext = real
+    g = m[0].weight.grad
+    return err, took, float((g.to_local() if hasattr(g, "to_local") else g).abs().sum())
+
+
+def test_fsdp2_allocation_failure_fails_every_rank_at_once():
+    pool = shared(2, gloo_timeout_s=60.0, env=[{"GRADCOMP_EXIT_WAIT_S": "1"}] * 2)
+    try:
+        res = pool.run(job_fsdp2, timeout=240)
+    finally:
+        pool.close()
+    for rank, (err, took, gsum) in enumerate(res):
+        assert err is not None, f"rank {rank}: the backward did not fail"
+        assert "rank(s) 1 could not allocate the unit's buffers" in err and "Nothing was sent" in err, err
+        assert took < 30, f"rank {rank} waited {took:.1f} s"
+        assert gsum > 0, f"rank {rank}: the retried step left no gradient"

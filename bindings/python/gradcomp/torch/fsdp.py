@@ -88,7 +88,7 @@ import torch.distributed as dist
 from .. import planner
 from ..codec import Codec
 from ..codec import _dtype_name as dtype_name
-from ..errors import in_context
+from ..errors import RankMismatchError, in_context
 from ..schemes.reduce_scatter import ReduceScatterContext, RowLayout, reduce_scatter
 from .compressor import Compressor, check_options
 from .policy import ExemptArg, ExemptRule  # noqa: F401 (ExemptArg: re-exported, its old home)
@@ -477,6 +477,38 @@ def _check_install(module, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # the comm object
 
+def _allocated_everywhere(label: str, group, W: int, device: torch.device, make: Callable[[], Any],
+                          residual_numel: int):
+    """``make()`` (a new unit's reduce-scatter context) on every rank, and ``residual_numel``
+    float32 elements (its residuals and their backups) allocated and dropped, before any collective
+    of the unit: one all-gather of an int32 per rank says where that ran out of memory, and every
+    rank raises :class:`gradcomp.RankMismatchError` naming those ranks (so none waits in a
+    reduce-scatter another rank never starts). Other errors propagate."""
+    err: Optional[BaseException] = None
+    ctx = None
+    try:
+        ctx = make()
+        if residual_numel:
+            torch.empty(residual_numel, dtype=torch.float32, device=device)
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        err = e
+    except RuntimeError as e:  # the CPU allocator's "can't allocate memory"
+        if "allocate" not in str(e):
+            raise
+        err = e
+    flags = torch.empty(W, dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(flags, torch.tensor([int(err is not None)], dtype=torch.int32, device=device),
+                                group=group)
+    short = [r for r, f in enumerate(flags.tolist()) if f]
+    if short:
+        mine = f" (here: {err})" if err is not None else ""
+        raise RankMismatchError(f"gradcomp FSDP2 reduce-scatter of {label}: rank(s) {', '.join(map(str, short))} "
+                                f"could not allocate the unit's buffers (the packets, the received packets, the "
+                                f"accumulators and the error-feedback residuals){mine}. Nothing was sent: no rank "
+                                f"waits for it. Free memory, or use a codec with smaller packets.")
+    return ctx
+
+
 class CompressedReduceScatter(_ReduceScatterBase):
     """FSDP2's gradient reduce-scatter through a gradcomp codec, with error feedback.
 
@@ -640,8 +672,11 @@ class CompressedReduceScatter(_ReduceScatterBase):
             if S * W != input_tensor.numel():
                 raise RuntimeError(f"gradcomp.torch.fsdp: {unit.label}: the reduce-scatter input has "
                                    f"{input_tensor.numel()} elements, the recorded parameters {S * W}")
-            ctx = ReduceScatterContext(self.codec, rows, input_tensor.dtype, input_tensor.device, group, W,
-                                       dist.get_rank(group))
+            ctx = _allocated_everywhere(
+                unit.label, group, W, input_tensor.device,
+                lambda: ReduceScatterContext(self.codec, rows, input_tensor.dtype, input_tensor.device, group, W,
+                                             dist.get_rank(group)),
+                2 * sum(numels.values()) if self.error_feedback else 0)
             lay = self._layouts[sig] = _Layout(ctx, pieces, numels, self.error_feedback)
             nc = sum(numels.values())
             log.info("gradcomp: FSDP2 reduce-scatter of %s: %d parameters (%d elements compressed with %s, %d "

@@ -38,6 +38,7 @@ struct DecodeArgs {
   int64_t packet_capacity = 0;   //!< bytes the packet buffer holds
   Tensor out;                    //!< float32/float16/bfloat16, numel elements
   uint8_t* workspace = nullptr;  //!< status word at bytes 0-3; may be null on the CPU
+  int64_t workspace_bytes = 0;   //!< bytes the workspace holds (0 when null)
   DecodeMode mode = DecodeMode::assign;
   float alpha = 1.0f;
   Stream stream{};

@@ -107,6 +107,7 @@ template <class Plan> class FamilyCodec : public Codec {
     a.packet_capacity = packet.nbytes();
     a.out = out;
     a.workspace = ws.data ? ws.ptr<uint8_t>() : nullptr;
+    a.workspace_bytes = ws.data ? ws.nbytes() : 0;
     a.mode = mode;
     a.alpha = alpha;
     a.stream = stream;

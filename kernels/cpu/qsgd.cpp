@@ -5,8 +5,8 @@
 // residual; decode element-wise. coding=elias (common/elias.hpp): the codes go to the workspace,
 // then per block (OpenMP) their bit counts, a serial prefix sum into the block ends, and per block
 // the bits at their offset (the bytes a block shares with its neighbours OR-ed atomically); decode
-// parses every block into an n-byte buffer (checking it) before anything is written, then decodes
-// the codes as coding=dense does.
+// parses every block into n bytes (the workspace from byte 16 when it holds them, else the heap),
+// checking it, before anything is written, then decodes the codes as coding=dense does.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -244,9 +244,15 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
   const auto* norms = reinterpret_cast<const float*>(a.packet + p.layout.sections[1].offset);
   const bool parse = p.elias && !(h.flags & kFlagFallback);
   const auto* ends = reinterpret_cast<const uint32_t*>(a.packet + p.layout.sections[p.elias ? 2 : 0].offset);
-  // the parsed codes (n bytes; a decode's workspace may be null on the CPU)
-  std::unique_ptr<int8_t[]> parsed(parse ? new int8_t[size_t(p.numel) + 1] : nullptr);
-  if (parse) elias_check(p, h, a.packet, parsed.get());
+  // the parsed codes (n bytes): in the workspace from byte kCodesOffset when it holds them (as
+  // workspace_bytes sizes it), else on the heap (a CPU decode may be given no workspace)
+  std::unique_ptr<int8_t[]> heap;
+  int8_t* parsed = nullptr;
+  if (parse) {
+    if (a.workspace && a.workspace_bytes >= kCodesOffset + p.numel) parsed = reinterpret_cast<int8_t*>(a.workspace + kCodesOffset);
+    else parsed = (heap = std::unique_ptr<int8_t[]>(new int8_t[size_t(p.numel) + 1])).get();
+    elias_check(p, h, a.packet, parsed);
+  }
   if (p.elias && !parse && (h.main_param != 0 || std::any_of(ends, ends + p.nblocks, [](uint32_t e) { return e != 0; })))
     throw_corrupt_packet("decode: qsgd coding=elias: a fallback packet (header flag bit 1) must have main parameter 0 "
                          "and zero ends; this one has %llu", (unsigned long long)h.main_param);
@@ -265,7 +271,7 @@ void decode(const QsgdPlan& p, const DecodeArgs& a) {
       for (int64_t b = 0; b < p.nblocks; ++b) {
         const float dscale = div_rn(norms[b], levels);
         const int64_t lo = b * B, len = std::min(B, n - lo);
-        const int8_t* c = (parse ? parsed.get() : codes) + lo;
+        const int8_t* c = (parse ? parsed : codes) + lo;
         for (int64_t t = 0; t < len; ++t) {
           const float v = mul_rn(mul_rn(dscale, float(c[t])), alpha);
           out[lo + t] = O::store(acc ? add_rn(O::load(out[lo + t]), v) : v);

@@ -31,33 +31,50 @@ def _vm_bytes() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
+class _address_limit:
+    """RLIMIT_AS at this process's current size plus ``extra`` bytes while inside (on ``on``)."""
+
+    def __init__(self, extra: int, on: bool = True):
+        self.extra, self.on = extra, on
+
+    def __enter__(self):
+        self.saved = resource.getrlimit(resource.RLIMIT_AS)
+        if self.on:
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + self.extra, self.saved[1]))
+
+    def __exit__(self, *exc):
+        resource.setrlimit(resource.RLIMIT_AS, self.saved)
+
+
 def job(rank, world):
     from gradcomp.torch import Compressor
 
     comp = Compressor("int8:block=4096", scheme="gather", min_compress_numel=1, error_feedback=False)
     t = torch.full((N,), float(rank + 1))
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if rank == 1:
-        resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (32 << 20), hard))
     t0 = time.monotonic()
     err = None
     try:
-        comp.allreduce(t, "w").wait()
+        with _address_limit(32 << 20, on=rank == 1):
+            comp.allreduce(t, "w").wait()
     except Exception as e:  # noqa: BLE001 - the test reads its type and message
         err = f"{type(e).__name__}: {e}"
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     took = time.monotonic() - t0
     out = comp.allreduce(t, "w").wait()  # memory back: the same call goes through
     return err, took, float(out[0]), float(out[-1])
 
 
-def test_allocation_failure_fails_every_rank_at_once():
+def _run(fn):
+    """``fn`` on a pool of 2 gloo ranks of its own (a rank still holds the failed step's
+    callbacks at exit: GRADCOMP_EXIT_WAIT_S), closed after."""
     pool = shared(2, gloo_timeout_s=60.0, env=[{"GRADCOMP_EXIT_WAIT_S": "1"}] * 2)
     try:
-        res = pool.run(job, timeout=240)
+        return pool.run(fn, timeout=240)
     finally:
         pool.close()
+
+
+def test_allocation_failure_fails_every_rank_at_once():
+    res = _run(job)
     for rank, (err, took, first, last) in enumerate(res):
         assert err is not None, f"rank {rank}: the call did not fail"
         assert "rank(s) 1 could not allocate the buffers of tensor 'w'" in err and "Nothing was sent" in err, err
@@ -84,14 +101,8 @@ def job_fsdp2(rank, world):
     limited = {"on": rank == 1}
 
     def context(*a, **k):
-        if not limited["on"]:
+        with _address_limit(0, on=limited["on"]):
             return real(*a, **k)
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes(), hard))
-        try:
-            return real(*a, **k)
-        finally:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
     fsdp.ReduceScatterContext = context
     x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(rank))
@@ -111,11 +122,7 @@ def job_fsdp2(rank, world):
 
 
 def test_fsdp2_allocation_failure_fails_every_rank_at_once():
-    pool = shared(2, gloo_timeout_s=60.0, env=[{"GRADCOMP_EXIT_WAIT_S": "1"}] * 2)
-    try:
-        res = pool.run(job_fsdp2, timeout=240)
-    finally:
-        pool.close()
+    res = _run(job_fsdp2)
     for rank, (err, took, gsum) in enumerate(res):
         assert err is not None, f"rank {rank}: the backward did not fail"
         assert "rank(s) 1 could not allocate the unit's buffers" in err and "Nothing was sent" in err, err

@@ -151,6 +151,10 @@ def test_round_trip_adversarial_patterns(pattern):
     p, norms = forge(c, n, block, codes)
     want = (np.repeat(norms / F32(s), block)[:n] * codes.astype(F32)).astype(F32)
     assert torch.equal(c.decode(p, numel=n), torch.from_numpy(want)), pattern
+    # the codes parsed into a workspace of workspace_bytes (16 + n) rather than the heap
+    ws = c.workspace(p, n, "float32")
+    assert ws.numel() >= 16 + n
+    assert torch.equal(c.decode(p, numel=n, workspace=ws), torch.from_numpy(want)), pattern
 
 
 def test_fallback_past_the_capacity():

@@ -18,9 +18,11 @@ leaves the machine; needs root, ``ip`` and ``tc``):
 Models: ``digits`` -- the main job's MLP (``gradcomp.experiments.runner.make_model(256)``: 64-256-
 256-10, 85,002 parameters, DDP ``bucket_cap_mb`` 0.1, batch 48 per rank of the digits data);
 ``mlp25m`` -- a synthetic MLP 1024-4096-4096-1024 (25,178,112 parameters, DDP's default 25 MiB
-buckets, batch 8 of normal inputs, loss ||f(x) - x||^2). The gradient buckets of each model are
-the ones DDP builds (read from the gradcomp hook's ``stats()`` after DDP's bucket rebuild, on the
-calibration setup), so the direct measurement and the DDP step reduce the same buckets.
+buckets, batch 8 of normal inputs, loss ||f(x) - x||^2). digits rows take 40 measured steps
+(their per-step times on 4 processes sharing 2 cores spread by +-40 %), mlp25m rows 3. The
+gradient buckets of each model are the ones DDP builds (read from the gradcomp hook's ``stats()``
+after DDP's bucket rebuild, on the calibration setup), so the direct measurement and the DDP step
+reduce the same buckets.
 
 Codecs (:func:`codec_list`, from ``gradcomp.codecs()``): ``none`` (scheme dense: PyTorch's
 allreduce_hook), the first other linear codec (``fp16``, sum), the first sparse one
@@ -29,11 +31,18 @@ onebit; two_phase), all with error feedback except none, every bucket compressed
 (``min_compress_numel=0``, as the experiment harness). The scheme each bucket took is read from
 the compressor's stats and the prediction uses the same one.
 
-Calibration, once per run, on an unshaped loopback namespace (stated in the output): gloo's
-per-message latency alpha = median time of a 1-element float32 allreduce over the 4 ranks / (2
-(W - 1)) (the planner's allreduce has 2 (W-1) messages; median over --alpha-reps calls, each the
-mean over ranks); the DDP bucket layouts; and the compute time of a DDP step with PyTorch's
-``noop_hook`` (forward + backward + SGD step, no communication; 4 ranks computing at once).
+Calibration, once per run, unshaped (stated in the output): for each setup kind, on its unshaped
+setup (``lo:unlimited``; ``nodes:unlimited``), gloo's engine cost
+(``planner.EngineCost.calibrate``): an allreduce of 2W float32 elements (per collective + 2 (W-1)
+alpha: every ring segment holds data, unlike a 1-element allreduce, which gloo runs as a shorter
+exchange), an all-gather of 8 bytes per rank (per collective + (W-1) alpha) and an allreduce of
+``CALIB_LARGE_NUMEL`` float32 (the engine's bytes/s), each call after a barrier, medians over
+--alpha-reps calls of the mean over ranks; on the loopback, the DDP bucket layouts and the compute
+time of a DDP step with PyTorch's ``noop_hook`` (forward + backward + SGD step, no communication;
+4 ranks computing at once). The model of each setup (:func:`cost_model`) takes the engine cost
+(every collective takes the slower of the link and the engine), links without latency of their
+own (a tbf queues; alpha is the engine's) with the tbf's burst (lent once per collective), and on
+``nodes`` the node's loopback at the engine's measured rate.
 
 Per row (setup x model x codec [x scheme]):
   comm   the model's buckets reduced through ``gradcomp.torch.Compressor.allreduce`` one at a
@@ -47,13 +56,15 @@ Per row (setup x model x codec [x scheme]):
          the traffic that flowed before it arrived (rank min). The measured comm per step is the
          sum over buckets of the mean over ranks, then the median over --steps steps (after
          --warmup steps); the JSON also has the min and max over ranks. Predicted: the sum over
-         buckets of ``CostModel.predict(scheme, codec, numel, dtype, 4, inner)["comm_s"]``. ratio
-         = measured / predicted; "yes" when |ratio - 1| <= 0.15 (not judged on the unshaped
-         setups, where the link is not what is modelled: their rows are the "floor" of the
+         buckets of ``CostModel.predict(scheme, codec, numel, dtype, 4, inner)["comm_s"]`` plus
+         the compressor's once-per-step descriptor all-gather (``CostModel.peer_check_s``).
+         ratio = measured / predicted; "yes" when |ratio - 1| <= 0.15 (not judged on the
+         unshaped setups, where the link is not what is tested: their rows are the "floor" of the
          shaped rows of the same kind, model, codec and scheme: gloo's own time on this CPU).
-         The token bucket lends an idle link's unused bytes, up to its burst: the JSON's
-         ``tbf_credit_ms`` = comm phases per step x burst / rate bounds how much faster than the
-         modelled link a step can be (:mod:`gradcomp.experiments.links`).
+         The token bucket lends an idle link's unused bytes, up to its burst: the model's links
+         carry it (``Link(burst_bytes=)``, lent once per collective); the JSON's
+         ``tbf_credit_ms`` = comm phases per step x burst / rate is the most it can lend a step
+         (:mod:`gradcomp.experiments.links`).
   bytes  tc's "Sent N bytes" counter of the shaped devices, read before and after the measured
          steps (a timing-free check of the byte formulas), beside the predicted bytes: lo, the sum
          over ranks of the bytes each sends (W x the planner's per-rank bytes); nodes, the bytes
@@ -104,7 +115,7 @@ LONG_STEP_S = 10.0  # a row whose step is predicted longer may run a single meas
 SETUPS = ("lo:unlimited", "lo:100mbit", "lo:1gbit", "lo:10gbit", "nodes:unlimited", "nodes:1gbit", "nodes:100mbit")
 QUICK_SETUPS = ("lo:unlimited", "lo:1gbit", "nodes:1gbit")
 MODELS = {
-    "digits": {"bucket_cap_mb": 0.1, "batch": 48, "steps": 5, "warmup": 2, "ddp_steps": 5, "ddp_warmup": 2},
+    "digits": {"bucket_cap_mb": 0.1, "batch": 48, "steps": 40, "warmup": 3, "ddp_steps": 5, "ddp_warmup": 2},
     "mlp25m": {"bucket_cap_mb": 25.0, "batch": 8, "steps": 3, "warmup": 1, "ddp_steps": 2, "ddp_warmup": 0},
 }
 """Per model: DDP bucket_cap_mb, batch per rank, measured / warm-up steps of the comm rows, and of
@@ -148,18 +159,29 @@ def build_model(name):
     raise ValueError(f"slow_link: model {name!r}; accepted: {', '.join(MODELS)}")
 
 
-def job_alpha(rank, world, reps, numel=1):
-    """Times of ``reps`` allreduces of ``numel`` float32 elements (s), after 20 warm-up calls."""
+def job_collective(rank, world, kind, numel, reps):
+    """Times (s) of ``reps`` collectives, each started after a ``dist.barrier()`` (as every
+    collective of a row, :class:`AlignedProbe`), after 10 warm-up calls: ``kind`` "allreduce"
+    of ``numel`` float32 elements, or "all_gather" of ``numel`` bytes per rank."""
     import torch
     import torch.distributed as dist
 
     from gradcomp.bench import timing
 
-    x = torch.ones(numel)
-    for _ in range(20):
-        dist.all_reduce(x)
-    dist.barrier()
-    return timing.time_calls(lambda: dist.all_reduce(x), reps, warmup=0)
+    if kind == "allreduce":
+        x = torch.ones(numel)
+
+        def call():
+            dist.all_reduce(x)
+    elif kind == "all_gather":
+        x = torch.ones(numel, dtype=torch.uint8)
+        out = torch.empty(numel * world, dtype=torch.uint8)
+
+        def call():
+            dist.all_gather_into_tensor(out, x)
+    else:
+        raise ValueError(f"slow_link: calibration collective {kind!r}; accepted: allreduce, all_gather")
+    return timing.time_calls(call, reps, warmup=10, before=dist.barrier)
 
 
 def job_ddp(rank, world, model_name, codec, scheme, ef, warmup, steps, local_world_size=0):
@@ -208,30 +230,32 @@ def job_ddp(rank, world, model_name, codec, scheme, ef, warmup, steps, local_wor
 
 class AlignedProbe:
     """A compressor probe (``gradcomp.schemes.NullProbe``'s interface) around the real one, made
-    per bucket call, that starts every collective after a ``dist.barrier()``: a ``clock()`` that
-    opens a communication phase -- the first of the call (dense's allreduce, hierarchical's
-    intra-node step; for the encoding schemes their first encode, harmless) or the first after an
-    encode (the collective that sends what was encoded) -- waits in a barrier first, so every
-    rank launches the collective together (within the barrier's exit skew) and its ``comm_s`` is
-    the collective itself, not the wait for a rank still encoding. The other clocks (decodes,
-    re-encodes, completion callbacks) do not wait. The rule depends only on the order of the
-    probe's own events, the same on every rank, so every rank takes the same barriers; a clock
-    outside the main thread never waits (a completion callback may run inline on one rank and in
-    gloo's thread on another). Counts the barriers and the comm phases in ``counts``."""
+    per bucket call, that starts every collective after a ``dist.barrier()``: a ``clock("comm_s")``
+    on the main thread that opens a communication phase -- the first of the call (dense's
+    allreduce, hierarchical's intra-node step) or the first after local work (an encode: the
+    collective that sends what was encoded; a decode: hierarchical's all-gather inside the node
+    after its inner scheme's decodes) -- waits in a barrier first, so every rank launches the
+    collective together (within the barrier's exit skew) and its ``comm_s`` is the collective
+    itself, not the wait for a rank still encoding or decoding. Encode and decode clocks, and a
+    collective that follows a collective, do not wait. The rule depends only on the order of the
+    probe's own events, the same on every rank (a scheme waits for its earlier collectives before
+    a later main-thread one), so every rank takes the same barriers; a clock outside the main
+    thread never waits (a completion callback may run inline on one rank and in gloo's thread on
+    another). Counts the barriers and the comm phases in ``counts``."""
 
     def __init__(self, probe, counts):
         self._p, self._c = probe, counts
         self._last = None  # the field of the last tock
 
-    def clock(self):
+    def clock(self, field=None):
         import threading
 
         import torch.distributed as dist
 
-        if self._last in (None, "encode_s") and threading.current_thread() is threading.main_thread():
+        if field == "comm_s" and self._last != "comm_s" and threading.current_thread() is threading.main_thread():
             dist.barrier()
             self._c["barriers"] += 1
-        return self._p.clock()
+        return self._p.clock(field)
 
     def tock(self, field, start):
         self._last = field
@@ -345,24 +369,38 @@ def parse_setup(text):
     return kind, rate
 
 
-def cost_model(kind, rate, alpha):
+def cost_model(kind, rate, engine):
+    """The planner's model of a setup: its links and gloo with the calibrated ``engine``
+    (``planner.EngineCost``: a cost per collective, alpha and the engine's bytes/s). The links add
+    no latency of their own (a tbf queues, it does not delay an idle link): alpha is gloo's, in
+    the engine. A node's unshaped loopback (the intra level of ``nodes``) runs at the measured
+    engine rate."""
     from gradcomp import planner
 
+    from gradcomp.experiments import links
+
     tp = planner.Throughput(device="cpu")
+    tbf = links.tbf_params(rate)
+    burst = tbf["burst_bytes"] if tbf else 0.0
     if kind == "lo":
-        return planner.CostModel.loopback(rate, latency_s=alpha, throughput=tp)
-    return planner.CostModel(planner.Link(float("inf"), alpha, name="lo"),
-                             planner.Link(planner.parse_rate(rate), alpha, per_node=True, name=f"veth {rate}"),
-                             local_world_size=L, throughput=tp, engine="gloo")
+        return planner.CostModel(planner.Link.parse(rate, 0.0, shared=True, name=f"loopback {rate}", burst_bytes=burst),
+                                 None, 0, tp, "gloo", engine_cost=engine)
+    return planner.CostModel(planner.Link(engine.bytes_per_s, 0.0, name="lo (measured)"),
+                             planner.Link(planner.parse_rate(rate), 0.0, per_node=True, name=f"veth {rate}",
+                                          burst_bytes=burst),
+                             local_world_size=L, throughput=tp, engine="gloo", engine_cost=engine)
 
 
 def predict_buckets(model, codec, buckets, kind):
-    """Sum over buckets ``[(numel, dtype, scheme, inner)]`` of the planner's prediction: comm_s,
+    """Sum over buckets ``[(numel, dtype, scheme, inner)]`` of the planner's prediction, plus the
+    compressor's once-per-step descriptor all-gather (``CostModel.peer_check_s``): comm_s,
     encode_s, decode_s (seconds per step) and the bytes tc should count per step (see the module
     docstring)."""
     from gradcomp import planner
 
-    tot = {"comm_s": 0.0, "encode_s": 0.0, "decode_s": 0.0, "wire_bytes": 0.0}
+    tot = {"comm_s": model.peer_check_s(W), "encode_s": 0.0, "decode_s": 0.0, "wire_bytes": 0.0}
+    check = planner.all_gather_bytes(planner.PEER_CHECK_BYTES, W)  # one rank's bytes of the check
+    tot["wire_bytes"] += W * check if kind == "lo" else (W // L) * check
     for n, dt, scheme, inner in buckets:
         p = model.predict(scheme, codec, n, dt, W, inner)
         for k in ("comm_s", "encode_s", "decode_s"):
@@ -420,7 +458,7 @@ def run_setup(bench, kind, rate, calib, codecs, models, hier):
     from gradcomp.experiments.pool import GlooPool
 
     ctx = links.shaped_loopback(rate) if kind == "lo" else links.two_nodes(rate, ranks_per_node=L)
-    model = cost_model(kind, rate, calib["alpha_s"])
+    model = cost_model(kind, rate, calib["engine"][kind])
     with ctx as net:
         bench.log(f"setup {kind}:{rate}: namespaces {net.namespaces}, tbf {net.tbf}")
         with GlooPool(W, threads=1, gloo_timeout_s=600, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
@@ -559,29 +597,55 @@ HEADER_BYTES = 66
 one), IPv4 20, TCP with timestamps 32."""
 
 
-def calibrate(bench, models):
-    """alpha, the DDP bucket layouts and the compute times, on an unshaped loopback namespace."""
+CALIB_LARGE_NUMEL = 1 << 22
+"""Elements of the calibration's large float32 allreduce (16 MiB)."""
+
+
+def measure_engine(bench, pool, label):
+    """``(planner.EngineCost, timings)`` of the gloo ranks of ``pool`` (an unshaped setup):
+    ``EngineCost.calibrate`` from an allreduce of 2W float32, an all-gather of 8 B per rank and
+    an allreduce of :data:`CALIB_LARGE_NUMEL` float32 (medians over --alpha-reps calls, the large
+    one a thirtieth as many, at least 5; each call after a barrier, the mean over ranks)."""
+    from gradcomp import planner
+
+    a = bench.a
+    t = {}
+    for key, kind, n in (("small_allreduce_s", "allreduce", 2 * W), ("small_all_gather_s", "all_gather", 8),
+                         ("large_allreduce_s", "allreduce", CALIB_LARGE_NUMEL)):
+        reps = a.alpha_reps if n < CALIB_LARGE_NUMEL else max(5, a.alpha_reps // 30)
+        ts = pool.run(job_collective, kind, n, reps, timeout=600)
+        t[key] = statistics.median(statistics.fmean(x[i] for x in ts) for i in range(reps))
+    eng = planner.EngineCost.calibrate(W, t["small_allreduce_s"], t["small_all_gather_s"], t["large_allreduce_s"],
+                                       4.0 * CALIB_LARGE_NUMEL)
+    bench.log(f"engine on {label}: {eng!r} (allreduce of {2 * W} float32 {1e6 * t['small_allreduce_s']:.0f} us, "
+              f"all-gather of 8 B per rank {1e6 * t['small_all_gather_s']:.0f} us, allreduce of {CALIB_LARGE_NUMEL} "
+              f"float32 {1e3 * t['large_allreduce_s']:.1f} ms)")
+    return eng, t
+
+
+def calibrate(bench, models, kinds):
+    """Once per run, unshaped: the engine cost of each setup kind in ``kinds`` (``lo``: one
+    namespace; ``nodes``: the two joined by an unshaped veth pair; :func:`measure_engine`), and
+    on the loopback the DDP bucket layouts and the compute times."""
     from gradcomp.experiments import links
     from gradcomp.experiments.pool import GlooPool
 
-    a = bench.a
-    out = {"layouts": {}, "compute_s": {}, "params": {}}
-    with links.shaped_loopback("unlimited") as net:
-        with GlooPool(W, threads=1, gloo_timeout_s=600, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
-            for n, key in ((1, "tiny_allreduce_s"), (16 * W, "allreduce_64_s")):
-                ts = pool.run(job_alpha, a.alpha_reps, n)
-                out[key] = statistics.median(statistics.fmean(t[i] for t in ts) for i in range(a.alpha_reps))
-            out["alpha_s"] = out["tiny_allreduce_s"] / (2 * (W - 1))
-            bench.log(f"alpha = {1e6 * out['alpha_s']:.1f} us (1-element allreduce {1e6 * out['tiny_allreduce_s']:.1f} "
-                      f"us, median of {a.alpha_reps}; {16 * W}-element allreduce {1e6 * out['allreduce_64_s']:.1f} us)")
-            for m in models:
-                r = pool.run(job_ddp, m, "none", "dense", False, 2, 1, timeout=600)
-                out["layouts"][m] = [(n, dt) for n, dt, _, _ in r[0]["buckets"]]
-                out["params"][m] = r[0]["numel"]
-                c = pool.run(job_ddp, m, None, None, False, 2, 5 if m == "digits" else 3, timeout=600)
-                out["compute_s"][m] = statistics.median(c[0]["times"])
-                bench.log(f"{m}: {r[0]['numel']} parameters, DDP buckets {out['layouts'][m]}, compute "
-                          f"{1e3 * out['compute_s'][m]:.1f} ms per DDP step (noop hook)")
+    out = {"layouts": {}, "compute_s": {}, "params": {}, "engine": {}, "engine_timings": {}}
+    for kind in sorted(set(kinds) | {"lo"}):
+        ctx = links.shaped_loopback("unlimited") if kind == "lo" else links.two_nodes("unlimited", ranks_per_node=L)
+        with ctx as net:
+            with GlooPool(W, threads=1, gloo_timeout_s=600, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
+                out["engine"][kind], out["engine_timings"][kind] = measure_engine(bench, pool, f"{kind}:unlimited")
+                if kind != "lo":
+                    continue
+                for m in models:
+                    r = pool.run(job_ddp, m, "none", "dense", False, 2, 1, timeout=600)
+                    out["layouts"][m] = [(n, dt) for n, dt, _, _ in r[0]["buckets"]]
+                    out["params"][m] = r[0]["numel"]
+                    c = pool.run(job_ddp, m, None, None, False, 2, 5 if m == "digits" else 3, timeout=600)
+                    out["compute_s"][m] = statistics.median(c[0]["times"])
+                    bench.log(f"{m}: {r[0]['numel']} parameters, DDP buckets {out['layouts'][m]}, compute "
+                              f"{1e3 * out['compute_s'][m]:.1f} ms per DDP step (noop hook)")
     return out
 
 
@@ -628,7 +692,8 @@ def main(argv=None):
                     "topk:ratio=0.01 and the registered quantizers)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per row (default: digits 5, mlp25m 3)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (default: digits 2, mlp25m 1)")
-    ap.add_argument("--alpha-reps", type=int, default=300, help="tiny allreduces timed for alpha (300)")
+    ap.add_argument("--alpha-reps", type=int, default=300, help="small collectives timed for the engine cost "
+                    "(300; the large allreduce: a thirtieth, at least 5)")
     ap.add_argument("--row-limit-s", type=float, default=60.0, help="seconds one row may take (60)")
     ap.add_argument("--budget-s", type=float, default=1800.0, help="seconds for the whole bench (1800)")
     ap.add_argument("--no-ddp", action="store_true", help="skip the DDP step measurements")
@@ -666,13 +731,16 @@ def main(argv=None):
     if a.quick and "mlp25m" not in per_model:
         per_model["mlp25m"] = ["topk:ratio=0.01", "int4"]
     bench = Bench(a)
-    calib = calibrate(bench, sorted(per_model))
+    calib = calibrate(bench, sorted(per_model), [k for k, _ in setups])
     tbf = {r: links.tbf_params(r) for _, r in setups}
     preamble = [
-        f"# slow_link: W = {W} gloo ranks (one thread each) on {os.cpu_count()} cores. alpha = "
-        f"{1e6 * calib['alpha_s']:.1f} us per message, calibrated once: a 1-element float32 allreduce on the unshaped "
-        f"loopback takes {1e6 * calib['tiny_allreduce_s']:.1f} us = 2 (W-1) alpha (median of {a.alpha_reps}); a "
-        f"{16 * W}-element one takes {1e6 * calib['allreduce_64_s']:.1f} us.",
+        f"# slow_link: W = {W} gloo ranks (one thread each) on {os.cpu_count()} cores. Engine cost per setup kind, "
+        f"calibrated once on its unshaped setup (planner.EngineCost.calibrate; each collective after a barrier, "
+        f"medians over {a.alpha_reps} calls): " + "; ".join(
+            f"{k}: allreduce of {2 * W} float32 {1e6 * t['small_allreduce_s']:.0f} us, all-gather of 8 B per rank "
+            f"{1e6 * t['small_all_gather_s']:.0f} us, allreduce of {CALIB_LARGE_NUMEL} float32 "
+            f"{1e3 * t['large_allreduce_s']:.1f} ms: {calib['engine'][k]!r}"
+            for k, t in calib["engine_timings"].items()) + ".",
         "# tbf per shaped device: " + "; ".join(
             f"{r}: rate {t['rate_bits_per_s']} bit/s, burst {t['burst_bytes']} B, limit {t['limit_bytes']} B (HZ {t['hz']})"
             for r, t in tbf.items() if t),
@@ -704,8 +772,9 @@ def main(argv=None):
     with open(os.path.join(a.out, "slow_link.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(a.out, "slow_link.json"), "w") as f:
+        calib_out = dict(calib, engine={k: e.to_dict() for k, e in calib["engine"].items()})
         json.dump(_clean({"config": {"world_size": W, "ranks_per_node": L, "tolerance": TOLERANCE,
-                                     "calibration": calib, "tbf": tbf, "args": vars(a), "hierarchical": hier,
+                                     "calibration": calib_out, "tbf": tbf, "args": vars(a), "hierarchical": hier,
                                      "barrier_bytes": bench.barrier_bytes,
                                      "header_bytes_per_packet": HEADER_BYTES},
                           "rows": bench.rows, "skipped": bench.skipped, "wall_s": wall}), f, indent=1)

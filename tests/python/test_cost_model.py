@@ -73,6 +73,80 @@ def test_collective_times_by_hand():
         planner.collective_time("broadcast", B, p, link)
 
 
+# -- a CPU host's engine cost and a token bucket's burst -----------------------------------------
+def test_engine_cost_calibrate_by_hand():
+    # W = 4: small allreduce = c + 6 a, small all-gather = c + 3 a, large allreduce = small + 1.5 B / r
+    W, c, a, r, B = 4, 2e-3, 4e-4, 1e9, 16 << 20
+    e = planner.EngineCost.calibrate(W, c + 6 * a, c + 3 * a, c + 6 * a + 1.5 * B / r, B)
+    assert close(e.latency_s, a) and close(e.per_collective_s, c) and close(e.bytes_per_s, r)
+    # an all-gather slower than the allreduce: alpha 0, the per-collective cost the all-gather's
+    e = planner.EngineCost.calibrate(W, 3e-3, 4e-3, 5e-3, B)
+    assert e.latency_s == 0.0 and close(e.per_collective_s, 4e-3)
+    # no excess in the large allreduce: no per-byte cost
+    assert planner.EngineCost.calibrate(W, 3e-3, 2e-3, 3e-3, B).bytes_per_s == math.inf
+    for bad in ((1, 1e-3, 1e-3, 1e-3, B), (W, 0.0, 1e-3, 1e-3, B), (W, 1e-3, -1, 1e-3, B), (W, 1e-3, 1e-3, 1e-3, 0)):
+        with pytest.raises(ValueError, match="accepted"):
+            planner.EngineCost.calibrate(*bad)
+    with pytest.raises(ValueError, match="per_collective_s"):
+        planner.EngineCost(-1, 1e9)
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        planner.EngineCost(0, 0)
+
+
+def test_collective_time_with_an_engine_is_the_slower_of_link_and_engine():
+    eng = planner.EngineCost(2e-3, 1e9, 5e-4)
+    B, p = 1_000_000, 4
+    fast = planner.Link(1e12, 0.0)  # the engine is the floor: c + steps alpha + vol / r
+    assert close(planner.collective_time("allreduce", B, p, fast, engine=eng), 2e-3 + 6 * 5e-4 + 1.5e-3)
+    assert close(planner.collective_time("all_gather", B, p, fast, engine=eng), 2e-3 + 3 * 5e-4 + 3e-3)
+    # gloo posts an all-to-all's sends at once: one alpha
+    assert close(planner.collective_time("all_to_all", B, p, fast, engine=eng), 2e-3 + 5e-4 + 3e-3)
+    slow = planner.Link(1e7, 0.0)  # the link is: 1.5 MB at 10 MB/s
+    assert close(planner.collective_time("allreduce", B, p, slow, engine=eng), 0.15)
+    assert planner.collective_time("allreduce", B, 1, slow, engine=eng) == 0.0
+    # without an engine nothing changes
+    assert close(planner.collective_time("allreduce", B, p, slow), 0.15)
+
+
+def test_link_burst_is_lent_once_per_collective():
+    B, p = 1_000_000, 4
+    # per rank: 1.5 MB of volume, the first 0.5 MB lent
+    link = planner.Link(1e7, 0.0, burst_bytes=500_000)
+    assert close(planner.collective_time("allreduce", B, p, link), 1.0e6 / 1e7)
+    # shared: 4 senders' 6 MB through one bucket of 0.5 MB, at 10 MB/s
+    shared = planner.Link(1e7, 0.0, shared=True, burst_bytes=500_000)
+    assert close(planner.collective_time("allreduce", B, p, shared), 5.5e6 / 1e7)
+    # per node with a load of 2: 3 MB through the bucket
+    node = planner.Link(1e7, 0.0, per_node=True, burst_bytes=500_000)
+    assert close(planner.collective_time("allreduce", B, p, node, load=2.0), 2.5e6 / 1e7)
+    # a collective smaller than the burst only pays its messages
+    assert close(planner.collective_time("all_gather", 1000, p, planner.Link(1e7, 1e-5, burst_bytes=1e6)), 3e-5)
+    with pytest.raises(ValueError, match="burst_bytes"):
+        planner.Link(1e9, burst_bytes=-1)
+    # the flat link over nodes keeps the inter link's burst
+    m = planner.CostModel(planner.Link(math.inf), node, 2, planner.Throughput(device="cpu"), "gloo")
+    assert m._flat_link(4).burst_bytes == 500_000
+
+
+def test_cost_model_engine_cost_reaches_every_collective():
+    eng = planner.EngineCost(2e-3, 1e9, 5e-4)
+    none = gradcomp.Codec("none")
+    m = planner.CostModel(planner.Link(math.inf, 0.0, name="lo"), planner.Link(125e6, 0.0, per_node=True), 2,
+                          planner.Throughput(device="cpu"), "gloo", engine_cost=eng)
+    n = 1 << 10
+    # hierarchical over 2 x 2: intra allreduce (2 steps), inner dense allreduce (2), intra all-gather (1),
+    # every one the engine's (tiny buffers): 3 c + 5 alpha + the volume at 1 GB/s
+    h = m.predict("hierarchical", none, n, "float32", 4, "dense")
+    c = n // 2
+    vol = 4 * n + 4 * c + 4 * (c + 1)
+    assert close(h["comm_s"], 3 * 2e-3 + 5 * 5e-4 + vol / 1e9)
+    # the descriptor check: an all-gather of PEER_CHECK_BYTES over the flat link
+    assert planner.PEER_CHECK_BYTES == 256
+    assert close(m.peer_check_s(4), 2e-3 + 3 * 5e-4 + 3 * 256 / 1e9)
+    assert m.describe()["engine_cost"] == {"per_collective_s": 2e-3, "bytes_per_s": 1e9, "latency_s": 5e-4}
+    assert planner.CostModel(planner.Link(1e9)).peer_check_s(1) == 0.0
+
+
 def test_predict_flat_schemes_by_hand():
     # one node of 4 on a 1 GB/s link, alpha 10 us; kernels from the CPU default bandwidth
     n, W, a, beta = 1 << 16, 4, 1e-5, 1e9
@@ -283,6 +357,20 @@ def test_cli_json_70b(capsys):
     assert {s["gbps"] for s in res["sweep"]} == set(planner_cli.SWEEP_GBPS)
 
 
+def test_cli_engine_cost(capsys):
+    # 1M float32 parameters (one 4 MB bucket) on 4 gloo ranks of one host, a 100 Gb/s loopback:
+    # the engine (1 ms + 6 x 0.5 ms + 6 MB at 1 GB/s) is the floor of the dense allreduce
+    argv = ["--params", "1e6", "--gpus", "4", "--backend", "gloo", "--link-gbps", "nvlink=100", "--latency-us",
+            "nvlink=0", "--codec", "none", "--json"]
+    assert planner_cli.main(argv + ["--engine-cost", "1000,500,1"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["inputs"]["cost_model"]["engine_cost"] == {"per_collective_s": 1e-3, "latency_s": 5e-4, "bytes_per_s": 1e9}
+    dense = res["rows"][0]
+    assert close(dense["comm_s"], 1e-3 + 6 * 5e-4 + 1.5 * 4e6 / 1e9, rel=1e-9)
+    assert planner_cli.main(argv) == 0  # without it: the link alone
+    assert close(json.loads(capsys.readouterr().out)["rows"][0]["comm_s"], 1.5 * 4e6 / 12.5e9, rel=1e-9)
+
+
 def test_cli_table_png_and_scheme_all(tmp_path, capsys):
     out = tmp_path / "plan"
     assert planner_cli.main(["--params", "125M", "--gpus", "16", "--gpus-per-node", "8", "--link-gbps",
@@ -389,6 +477,8 @@ def test_cli_model_module(tmp_path, monkeypatch, capsys):
     (["--params", "1e6", "--link-gbps", "wifi=1"], "accepted"),
     (["--params", "1e6", "--accumulate", "0"], "accumulate"),
     (["--model", "nomodule"], "module:attr"),
+    (["--params", "1e6", "--engine-cost", "1,2"], "three numbers"),
+    (["--params", "1e6", "--engine-cost", "1,2,0"], "bytes_per_s"),
 ])
 def test_cli_errors(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

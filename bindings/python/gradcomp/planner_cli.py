@@ -137,6 +137,24 @@ def parse_levels(items: Optional[List[str]], kind: str) -> dict:
     return out
 
 
+def parse_engine_cost(text: Optional[str]) -> Optional[planner.EngineCost]:
+    """``--engine-cost US,ALPHA_US,GBYTES_PER_S`` as a :class:`gradcomp.planner.EngineCost` (None
+    without one).
+
+    Raises:
+        ValueError: not three numbers, or values EngineCost refuses (the message names them).
+    """
+    if text is None:
+        return None
+    parts = str(text).split(",")
+    try:
+        us, alpha_us, gbs = (float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--engine-cost {text!r}; accepted: three numbers US,ALPHA_US,GBYTES_PER_S "
+                         f"(e.g. 1800,500,1.0)") from None
+    return planner.EngineCost(us * 1e-6, gbs * 1e9, alpha_us * 1e-6)
+
+
 def build_model(args, W: int, L: int, rate_gbps: Optional[float] = None) -> planner.CostModel:
     """The cost model of the command line (``rate_gbps``: override the slowest level's rate)."""
     gb = parse_levels(args.link_gbps, "--link-gbps")
@@ -167,7 +185,8 @@ def build_model(args, W: int, L: int, rate_gbps: Optional[float] = None) -> plan
         tp = planner.Throughput(table=load(args.throughput))
     else:
         tp = planner.Throughput(device=args.gpu)
-    return planner.CostModel(intra, inter, L if nodes > 1 else 0, tp, args.backend, not args.no_error_feedback)
+    return planner.CostModel(intra, inter, L if nodes > 1 else 0, tp, args.backend, not args.no_error_feedback,
+                             parse_engine_cost(args.engine_cost))
 
 
 def _codec(spec: str):
@@ -557,6 +576,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--link-gbps", action="append", metavar="LEVEL=GBPS",
                     help="per-rank bandwidth of a level (nvlink, pcie, network, intra, inter), Gb/s")
     ap.add_argument("--latency-us", action="append", metavar="LEVEL=US", help="per-message latency of a level")
+    ap.add_argument("--engine-cost", default=None, metavar="US,ALPHA_US,GBYTES_PER_S",
+                    help="a CPU host's collective engine (gloo): microseconds per collective, alpha in "
+                         "microseconds per sequential message, GB/s of volume (planner.EngineCost; "
+                         "bench/slow_link.py prints its calibration); every collective takes the slower of "
+                         "its link and this")
     ap.add_argument("--nic-per-node", action="store_true",
                     help="one NIC per node shared by its ranks (default: a NIC per GPU; --link-gbps network= is "
                          "then the node's NIC)")

@@ -2,7 +2,7 @@
 
 Three layers, each built on the one before:
   1. byte formulas per scheme (``bucket_bytes``, ``scheme_steps``, ``hierarchical_bytes``, ...);
-  2. the cost model (``Link``, ``collective_time``, ``Throughput``, ``CostModel``): alpha-beta
+  2. the cost model (``Link``, ``collective_time``, ``EngineCost``, ``Throughput``, ``CostModel``): alpha-beta
      times of each collective on each link level plus the codec's kernel times, per bucket and
      scheme, and the fastest scheme (``CostModel.choose``; ``choose_scheme(..., cost_model=)``);
   3. a training step (``parameter_list``, ``ddp_buckets``, ``plan_step``): bytes per step per
@@ -79,15 +79,15 @@ the DDP hook and the experiment harness.
 """
 
 from .bytes import (  # noqa: F401
-    _DTYPE_BYTES, FSDP_TRAILER_BYTES, all_gather_bytes, bucket_bytes, chunk, chunk_size, decode_traffic_bytes,
-    dense_bytes, dtype_bytes, encode_traffic_bytes, fsdp_exempt, fsdp_reduce_scatter_bytes, fsdp_rows, fsdp_shard_rows,
-    fsdp_slot, hierarchical_bytes, hierarchical_groups, hierarchical_steps, level_bytes, onebit_allreduce_bytes,
-    payload_bytes, powersgd_bytes, powersgd_rank, ring_allreduce_bytes, scheme_steps, summarize, traffic_matrix,
-    two_phase_slots,
+    _DTYPE_BYTES, FSDP_TRAILER_BYTES, PEER_CHECK_BYTES, all_gather_bytes, bucket_bytes, chunk, chunk_size,
+    decode_traffic_bytes, dense_bytes, dtype_bytes, encode_traffic_bytes, fsdp_exempt, fsdp_reduce_scatter_bytes,
+    fsdp_rows, fsdp_shard_rows, fsdp_slot, hierarchical_bytes, hierarchical_groups, hierarchical_steps, level_bytes,
+    onebit_allreduce_bytes, payload_bytes, powersgd_bytes, powersgd_rank, ring_allreduce_bytes, scheme_steps,
+    summarize, traffic_matrix, two_phase_slots,
 )
 from .cost import (  # noqa: F401
     _DEFAULT_EFFICIENCY, _RATE_UNITS, _SPARSE_EFFICIENCY, COLLECTIVES, DEVICE_BYTES_PER_S, LINK_LEVELS, CostModel,
-    Link, Throughput, _kernel_time, collective_time, kernel_efficiency, parse_rate,
+    EngineCost, Link, Throughput, _kernel_time, collective_time, kernel_efficiency, parse_rate,
 )
 from .choice import bytes_choice, choice_report, choose_scheme, hierarchical_inner  # noqa: F401
 from .step import (  # noqa: F401
@@ -112,12 +112,12 @@ __all__ = [
     "chunk_size", "two_phase_slots", "payload_bytes", "bucket_bytes", "scheme_steps", "hierarchical_groups",
     "hierarchical_steps", "hierarchical_bytes", "onebit_allreduce_bytes", "powersgd_rank", "powersgd_bytes",
     "summarize", "encode_traffic_bytes", "decode_traffic_bytes", "FSDP_TRAILER_BYTES", "fsdp_shard_rows", "fsdp_slot",
-    "fsdp_reduce_scatter_bytes", "fsdp_exempt", "fsdp_rows", "level_bytes", "traffic_matrix",
+    "fsdp_reduce_scatter_bytes", "fsdp_exempt", "fsdp_rows", "level_bytes", "traffic_matrix", "PEER_CHECK_BYTES",
     # choice
     "choose_scheme", "bytes_choice", "hierarchical_inner", "choice_report",
     # cost
     "COLLECTIVES", "parse_rate", "Link", "LINK_LEVELS", "collective_time", "DEVICE_BYTES_PER_S", "Throughput",
-    "CostModel", "kernel_efficiency",
+    "CostModel", "EngineCost", "kernel_efficiency",
     # step, figures
     "parameter_list", "ddp_buckets", "plan_step", "published_figures", "FSDP_ENGINES", "FSDP_VARIANTS",
     "FSDP_COLLECTIVES", "fsdp_units", "plan_fsdp_step", "plan_fsdp_variants",

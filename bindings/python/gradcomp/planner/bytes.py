@@ -245,6 +245,11 @@ def powersgd_bytes(numel: int, dtype: Any, dense_numel: int, p_numel: int, q_num
 # FSDP2's reduce-scatter: the shard layout and the compressed all-to-all slot
 # ==============================================================================================
 
+PEER_CHECK_BYTES = 256
+"""Bytes of one rank's call descriptor (:class:`gradcomp.schemes.check.PeerCheck`: 32 int64
+words), all-gathered once per step by the compressor beside its first collective (and at once
+for a call whose layout is new)."""
+
 FSDP_TRAILER_BYTES = 16
 """The trailer at the end of every slot of the compressed FSDP2 reduce-scatter
 (:mod:`gradcomp.schemes.reduce_scatter`): byte 0 is the sender's non-finite flag (1: some element

@@ -1,5 +1,6 @@
 """The cost model of :mod:`gradcomp.planner`: link rates (:func:`parse_rate`), link levels
-(:class:`Link`, :data:`LINK_LEVELS`), alpha-beta collective times (:func:`collective_time`), codec
+(:class:`Link`, :data:`LINK_LEVELS`), alpha-beta collective times (:func:`collective_time`), a CPU
+host's collective engine (:class:`EngineCost`, calibrated from unshaped timings), codec
 kernel times (:class:`Throughput`, from a ``gradcomp-bench`` table read by
 :mod:`gradcomp.planner.table` or from a memory bandwidth) and the predicted time of one bucket under
 each scheme with the fastest (:class:`CostModel`).
@@ -9,7 +10,7 @@ from typing import Any, Optional, Tuple
 
 from ..codec import _dtype_name
 from . import schemes as _schemes
-from .bytes import decode_traffic_bytes, encode_traffic_bytes, scheme_steps
+from .bytes import PEER_CHECK_BYTES, decode_traffic_bytes, encode_traffic_bytes, scheme_steps
 from .table import throughput as _table_throughput
 
 
@@ -71,36 +72,47 @@ class Link:
         the node (:meth:`CostModel.predict`: a flat ring crosses it once per direction; the L
         cross-node groups of ``hierarchical`` all cross it at once).
 
+    ``burst_bytes`` (default 0): a token-bucket link (``tc``'s tbf, a cloud NIC's burst
+    allowance) lends an idle link this many bytes at once: a collective that starts on it sends
+    its first ``burst_bytes`` (of all the bytes through the bucket: the group's on a ``shared``
+    link) without waiting for the rate (:func:`collective_time`).
+
     Raises:
-        ValueError: beta <= 0, alpha < 0, or both shared and per_node.
+        ValueError: beta <= 0, alpha < 0, burst < 0, or both shared and per_node.
     """
 
-    __slots__ = ("bytes_per_s", "latency_s", "shared", "per_node", "name")
+    __slots__ = ("bytes_per_s", "latency_s", "shared", "per_node", "name", "burst_bytes")
 
     def __init__(self, bytes_per_s: float, latency_s: float = 0.0, shared: bool = False, name: str = "",
-                 per_node: bool = False):
+                 per_node: bool = False, burst_bytes: float = 0.0):
         if not float(bytes_per_s) > 0:
             raise ValueError(f"planner: Link bytes_per_s={bytes_per_s}; accepted: > 0 (inf allowed)")
         if not float(latency_s) >= 0:
             raise ValueError(f"planner: Link latency_s={latency_s}; accepted: >= 0")
         if shared and per_node:
             raise ValueError("planner: a Link is shared (one medium for the group) or per_node, not both")
+        if not float(burst_bytes) >= 0:
+            raise ValueError(f"planner: Link burst_bytes={burst_bytes}; accepted: >= 0")
+        self.burst_bytes = float(burst_bytes)
         self.bytes_per_s, self.latency_s = float(bytes_per_s), float(latency_s)
         self.shared, self.per_node, self.name = bool(shared), bool(per_node), str(name)
 
     @classmethod
     def parse(cls, rate: Any, latency_s: float = 0.0, shared: bool = False, name: str = "",
-              per_node: bool = False) -> "Link":
+              per_node: bool = False, burst_bytes: float = 0.0) -> "Link":
         """A Link from a rate string (:func:`parse_rate`)."""
-        return cls(parse_rate(rate), latency_s, shared, name or str(rate), per_node)
+        return cls(parse_rate(rate), latency_s, shared, name or str(rate), per_node, burst_bytes)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "bytes_per_s": self.bytes_per_s, "bits_per_s": 8 * self.bytes_per_s,
-                "latency_s": self.latency_s, "shared": self.shared, "per_node": self.per_node}
+                "latency_s": self.latency_s, "shared": self.shared, "per_node": self.per_node,
+                "burst_bytes": self.burst_bytes}
 
     def __repr__(self) -> str:
         kind = ", shared" if self.shared else ", per node" if self.per_node else ""
-        return f"Link({self.name or 'link'}: {8 * self.bytes_per_s / 1e9:g} Gb/s, alpha {self.latency_s:g} s{kind})"
+        burst = f", burst {self.burst_bytes:g} B" if self.burst_bytes else ""
+        return (f"Link({self.name or 'link'}: {8 * self.bytes_per_s / 1e9:g} Gb/s, alpha {self.latency_s:g} s"
+                f"{kind}{burst})")
 
 
 LINK_LEVELS = {
@@ -113,11 +125,18 @@ LINK_LEVELS = {
 """Default link levels (bytes/s per rank, latency s); ``--link-gbps LEVEL=GBPS`` overrides."""
 
 
-def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: float = 1.0) -> float:
+def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: float = 1.0,
+                    engine: Optional["EngineCost"] = None) -> float:
     """Seconds of one collective (the alpha-beta formulas above) of ``nbytes`` (the buffer of an
     allreduce / reduce-scatter; one rank's part of an all-gather; one slot of an all-to-all) over
     ``ranks`` ranks on ``link``; ``load`` scales the volume term (how many ranks' volumes cross a
-    ``per_node`` link at once, :meth:`CostModel.predict`). 0.0 for ranks < 2.
+    ``per_node`` link at once, :meth:`CostModel.predict`). With an ``engine``
+    (:class:`EngineCost`, a CPU host's collective engine) the time is the slower of the link's
+    and the engine's: ``max(msgs alpha + load vol / beta, engine.per_collective_s + steps
+    engine.latency_s + vol / engine.bytes_per_s)``, where ``steps`` is the ring's sequential
+    messages (``msgs``), but 1 for an all-to-all (gloo posts its W-1 sends at once, then waits).
+    The two overlap: gloo's threads do their per-collective and per-byte work (wake-ups, socket
+    copies, the sum) while earlier segments are on the wire. 0.0 for ranks < 2.
 
     Raises:
         ValueError: an unknown collective.
@@ -132,7 +151,88 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: floa
                  "reduce_scatter": (p - 1, (p - 1) / p * nbytes),
                  "all_gather": (p - 1, (p - 1) * nbytes),
                  "all_to_all": (p - 1, (p - 1) * nbytes)}[kind]
-    return msgs * link.latency_s + (load * vol / beta if vol else 0.0)
+    paced = vol
+    if vol and link.burst_bytes and load > 0:  # the bucket's loan, of the bytes through it (p senders' if shared)
+        paced = max(0.0, vol - link.burst_bytes / (load * (p if link.shared else 1)))
+    t_link = msgs * link.latency_s + (load * paced / beta if paced else 0.0)
+    if engine is None:
+        return t_link
+    steps = 1 if kind == "all_to_all" else msgs  # gloo posts an all-to-all's W-1 sends at once
+    return max(t_link, engine.per_collective_s + steps * engine.latency_s + (vol / engine.bytes_per_s if vol else 0.0))
+
+
+class EngineCost:
+    """The time a collective engine takes on a CPU host, whatever the link:
+    ``per_collective_s`` (s, once per collective: waking the ranks' threads, gloo's bookkeeping;
+    on an oversubscribed host, the scheduler), ``latency_s`` (alpha, s per message of the ring)
+    and ``bytes_per_s`` (the rate the engine moves and reduces a collective's volume at: copies
+    through the socket and the element-wise sum; the ceiling of an unshaped loopback).
+    :func:`collective_time` takes the slower of this and the link's alpha-beta time.
+
+    The model is Hockney's latency-bandwidth one (alpha + n / beta) applied to the engine's
+    own work, with the ring's sequential messages of Thakur, Rabenseifner & Gropp (IJHPCA 2005,
+    section 2) as the latency count. :meth:`calibrate` derives the three figures from three
+    unshaped timings of W ranks (``bench/slow_link.py`` measures them once per run and setup;
+    bench/RESULTS.md has how well the model then predicts its shaped rows, and where it misses).
+
+    Raises:
+        ValueError: per_collective_s < 0, latency_s < 0 or bytes_per_s <= 0.
+    """
+
+    __slots__ = ("per_collective_s", "bytes_per_s", "latency_s")
+
+    def __init__(self, per_collective_s: float, bytes_per_s: float, latency_s: float = 0.0):
+        if not float(per_collective_s) >= 0:
+            raise ValueError(f"planner: EngineCost per_collective_s={per_collective_s}; accepted: >= 0")
+        if not float(bytes_per_s) > 0:
+            raise ValueError(f"planner: EngineCost bytes_per_s={bytes_per_s}; accepted: > 0 (inf allowed)")
+        if not float(latency_s) >= 0:
+            raise ValueError(f"planner: EngineCost latency_s={latency_s}; accepted: >= 0")
+        self.per_collective_s, self.bytes_per_s = float(per_collective_s), float(bytes_per_s)
+        self.latency_s = float(latency_s)
+
+    @classmethod
+    def calibrate(cls, world_size: int, small_allreduce_s: float, small_all_gather_s: float,
+                  large_allreduce_s: float, large_allreduce_bytes: float) -> "EngineCost":
+        """The engine cost of W = ``world_size`` ranks from three unshaped timings (seconds):
+
+          - ``small_allreduce_s``: an allreduce of 2W float32 elements (every rank's ring
+            segment holds data, unlike a 1-element one, which gloo sends as a shorter exchange):
+            per_collective + 2 (W-1) alpha;
+          - ``small_all_gather_s``: an all-gather of a few bytes per rank: per_collective +
+            (W-1) alpha;
+          - ``large_allreduce_s``: an allreduce of ``large_allreduce_bytes`` (B): the small one
+            plus 2 (W-1)/W B / bytes_per_s.
+
+        Solves alpha = (small_allreduce - small_all_gather) / (W-1) and per_collective =
+        small_all_gather - (W-1) alpha (each at least 0; alpha 0 when the all-gather is not
+        the faster, and per_collective then the all-gather's time), and bytes_per_s from the
+        large allreduce's excess over the small one (inf when there is none). The alpha is
+        ``latency_s``; the links the engine runs on then need no latency of their own.
+
+        Raises:
+            ValueError: W < 2, a time that is not positive, or B <= 0.
+        """
+        W = int(world_size)
+        if W < 2:
+            raise ValueError(f"planner: EngineCost.calibrate world_size={world_size}; accepted: >= 2")
+        for name, v in (("small_allreduce_s", small_allreduce_s), ("small_all_gather_s", small_all_gather_s),
+                        ("large_allreduce_s", large_allreduce_s), ("large_allreduce_bytes", large_allreduce_bytes)):
+            if not float(v) > 0:
+                raise ValueError(f"planner: EngineCost.calibrate {name}={v}; accepted: > 0")
+        alpha = max(0.0, (float(small_allreduce_s) - float(small_all_gather_s)) / (W - 1))
+        per_coll = max(0.0, float(small_all_gather_s) - (W - 1) * alpha)
+        excess = float(large_allreduce_s) - float(small_allreduce_s)
+        vol = 2.0 * (W - 1) / W * float(large_allreduce_bytes)
+        return cls(per_coll, vol / excess if excess > 0 else float("inf"), alpha)
+
+    def to_dict(self) -> dict:
+        return {"per_collective_s": self.per_collective_s, "bytes_per_s": self.bytes_per_s,
+                "latency_s": self.latency_s}
+
+    def __repr__(self) -> str:
+        return (f"EngineCost({1e6 * self.per_collective_s:g} us per collective, alpha {1e6 * self.latency_s:g} us, "
+                f"{self.bytes_per_s / 1e9:g} GB/s)")
 
 
 # Achievable memory bandwidth (bytes/s) of named devices, for kernel times without a bench table:
@@ -238,6 +338,9 @@ class CostModel:
         engine: ``"nccl"`` or ``"gloo"`` (gloo has no reduce-scatter: hierarchical's intra step is
             an allreduce).
         error_feedback: whether encodes read and write a residual.
+        engine_cost: an :class:`EngineCost` (a CPU host's collective engine, measured), added to
+            every collective on every level (:func:`collective_time`); None: the links alone
+            (GPU hosts, where NCCL's cost is in the link's alpha).
 
     All inputs are configuration every rank shares, so every rank predicts and chooses alike.
 
@@ -246,7 +349,8 @@ class CostModel:
     """
 
     def __init__(self, intra: Link, inter: Optional[Link] = None, local_world_size: int = 0,
-                 throughput: Optional[Throughput] = None, engine: str = "nccl", error_feedback: bool = True):
+                 throughput: Optional[Throughput] = None, engine: str = "nccl", error_feedback: bool = True,
+                 engine_cost: Optional[EngineCost] = None):
         if engine not in ("nccl", "gloo"):
             raise ValueError(f"planner: engine={engine!r}; accepted: nccl, gloo")
         if int(local_world_size) < 0:
@@ -255,14 +359,16 @@ class CostModel:
         self.local_world_size = int(local_world_size)
         self.throughput = throughput or Throughput(device="H200")
         self.engine, self.error_feedback = engine, bool(error_feedback)
+        self.engine_cost = engine_cost
 
     @classmethod
     def loopback(cls, rate: Any, latency_s: float = 50e-6, throughput: Optional[Throughput] = None,
-                 error_feedback: bool = True) -> "CostModel":
+                 error_feedback: bool = True, engine_cost: Optional[EngineCost] = None) -> "CostModel":
         """All ranks on one host over a (rate-limited) loopback: one shared link of ``rate``
-        (:func:`parse_rate`: ``"100mbit"``, ``"unlimited"``), gloo, CPU kernel times."""
+        (:func:`parse_rate`: ``"100mbit"``, ``"unlimited"``), gloo, CPU kernel times, and the
+        measured ``engine_cost`` when given."""
         return cls(Link.parse(rate, latency_s, shared=True, name=f"loopback {rate}"), None, 0,
-                   throughput or Throughput(device="cpu"), "gloo", error_feedback)
+                   throughput or Throughput(device="cpu"), "gloo", error_feedback, engine_cost)
 
     def nodes(self, world_size: int) -> int:
         L = self.local_world_size
@@ -276,7 +382,7 @@ class CostModel:
         if N < 2:
             return self.intra
         lat = (N * self.inter.latency_s + (W - N) * self.intra.latency_s) / W
-        return Link(self.inter.bytes_per_s, lat, self.inter.shared, self.inter.name)
+        return Link(self.inter.bytes_per_s, lat, self.inter.shared, self.inter.name, burst_bytes=self.inter.burst_bytes)
 
     def predict(self, scheme: str, codec, numel: int, dtype: Any, world_size: int, inner: str = "") -> dict:
         """Predicted times of one bucket under ``scheme`` (``inner``: hierarchical's scheme across
@@ -309,13 +415,22 @@ class CostModel:
             level = "inter" if nodes > 1 else "intra"
             steps = [(level,) + tuple(s[1:]) for s in steps]
             links = {level: self._flat_link(W)}
-        comm = sum(collective_time(kind, nb, p, links[lv], self._load(scheme, lv, kind, W))
+        comm = sum(collective_time(kind, nb, p, links[lv], self._load(scheme, lv, kind, W), self.engine_cost)
                    for lv, kind, nb, p, _ in steps)
         by = {"intra": 0.0, "inter": 0.0}
         for lv, _, _, _, sent in steps:
             by[lv] += sent
         return {"scheme": scheme, "inner": inner, "comm_s": comm, "encode_s": enc, "decode_s": dec,
                 "total_s": comm + enc + dec, "bytes": by}
+
+    def peer_check_s(self, world_size: int) -> float:
+        """Seconds of the compressor's once-per-step descriptor check: an all-gather of
+        :data:`~gradcomp.planner.PEER_CHECK_BYTES` per rank over the W = ``world_size`` ranks on
+        the flat link (on one node, the intra link). On gloo it is one more collective beside a
+        step's first, and its cost is the engine's per-collective one; 0.0 for W < 2."""
+        W = int(world_size)
+        return collective_time("all_gather", PEER_CHECK_BYTES, W, self._flat_link(W),
+                               self.inter_load("all_gather", W) if self.nodes(W) > 1 else 1.0, self.engine_cost)
 
     def _load(self, scheme: str, level: str, kind: str, world_size: int) -> float:
         """How many ranks' volumes cross a ``per_node`` inter link at once: the L cross-node groups
@@ -393,4 +508,5 @@ class CostModel:
     def describe(self) -> dict:
         return {"intra": self.intra.to_dict(), "inter": None if self.inter is None else self.inter.to_dict(),
                 "local_world_size": self.local_world_size, "engine": self.engine,
-                "throughput": self.throughput.name, "error_feedback": self.error_feedback}
+                "throughput": self.throughput.name, "error_feedback": self.error_feedback,
+                "engine_cost": None if self.engine_cost is None else self.engine_cost.to_dict()}

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..codec import _dtype_name as dtype_name
 from .. import _C
 from ..errors import RankMismatchError
+from ..planner.bytes import PEER_CHECK_BYTES
 
 HEADER_MAGIC = 0x31504347  # "GCP1" little-endian
 CHECK_MAGIC = 0x4B434347  # "GCCK"
@@ -188,6 +189,7 @@ class PeerCheck:
                  SCHEME_CODES.index(inner if inner in SCHEME_CODES else ""), int(local_world_size), self.world_size,
                  int(bool(alloc_failed)), 0, 0] + _pack_str(spec, 8) + _pack_str(str(v) if kind == "name" else "", 8)
         self.mine_host = np.array(words, dtype=np.int64)
+        assert self.mine_host.nbytes == PEER_CHECK_BYTES, "the planner's descriptor size"
         self.mine = torch.from_numpy(self.mine_host.copy()).to(self.device)
         self.rows: Optional[torch.Tensor] = None
         self.work = None

@@ -376,7 +376,6 @@ def cost_model(kind, rate, engine):
     the engine. A node's unshaped loopback (the intra level of ``nodes``) runs at the measured
     engine rate."""
     from gradcomp import planner
-
     from gradcomp.experiments import links
 
     tp = planner.Throughput(device="cpu")

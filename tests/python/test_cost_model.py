@@ -364,7 +364,8 @@ def test_cli_engine_cost(capsys):
             "nvlink=0", "--codec", "none", "--json"]
     assert planner_cli.main(argv + ["--engine-cost", "1000,500,1"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["inputs"]["cost_model"]["engine_cost"] == {"per_collective_s": 1e-3, "latency_s": 5e-4, "bytes_per_s": 1e9}
+    want = {"per_collective_s": 1e-3, "latency_s": 5e-4, "bytes_per_s": 1e9}
+    assert res["inputs"]["cost_model"]["engine_cost"] == want
     dense = res["rows"][0]
     assert close(dense["comm_s"], 1e-3 + 6 * 5e-4 + 1.5 * 4e6 / 1e9, rel=1e-9)
     assert planner_cli.main(argv) == 0  # without it: the link alone

@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 
 import gradcomp  # noqa: E402
 from gradcomp import planner  # noqa: E402
+from gradcomp.experiments import links  # noqa: E402
 
 from ddp_helpers import run  # noqa: E402
 
@@ -72,8 +73,6 @@ def test_prediction_per_step_by_hand():
     W = sl.W
     fp16, int8 = gradcomp.Codec("fp16"), gradcomp.Codec("int8")
     m = sl.cost_model("lo", "100mbit", eng)
-    from gradcomp.experiments import links
-
     burst = links.tbf_params("100mbit")["burst_bytes"]
     assert m.intra.shared and m.intra.burst_bytes == burst and m.intra.latency_s == 0.0 and m.engine_cost is eng
     n = 1 << 16
@@ -89,7 +88,8 @@ def test_prediction_per_step_by_hand():
     assert math.isclose(got["wire_bytes"], 2 * W * vol + W * (W - 1) * 256, rel_tol=1e-12)
     # two nodes: the measured loopback (the engine's rate) inside, the veth with its burst across
     m2 = sl.cost_model("nodes", "1gbit", eng)
-    assert m2.intra.bytes_per_s == 1e9 and m2.inter.per_node and m2.inter.burst_bytes == links.tbf_params("1gbit")["burst_bytes"]
+    assert m2.intra.bytes_per_s == 1e9 and m2.inter.per_node
+    assert m2.inter.burst_bytes == links.tbf_params("1gbit")["burst_bytes"]
     t = sl.predict_buckets(m2, int8, [(n, "float32", "two_phase", "")], "nodes")
     assert math.isclose(t["comm_s"], m2.peer_check_s(W) + m2.predict("two_phase", int8, n, "float32", W)["comm_s"],
                         rel_tol=1e-12)

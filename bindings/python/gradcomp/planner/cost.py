@@ -338,9 +338,10 @@ class CostModel:
         engine: ``"nccl"`` or ``"gloo"`` (gloo has no reduce-scatter: hierarchical's intra step is
             an allreduce).
         error_feedback: whether encodes read and write a residual.
-        engine_cost: an :class:`EngineCost` (a CPU host's collective engine, measured), added to
-            every collective on every level (:func:`collective_time`); None: the links alone
-            (GPU hosts, where NCCL's cost is in the link's alpha).
+        engine_cost: an :class:`EngineCost` (a CPU host's collective engine, measured): every
+            collective on every level takes the slower of its link time and the engine's
+            (:func:`collective_time`); None: the links alone (GPU hosts, where NCCL's cost is in
+            the link's alpha).
 
     All inputs are configuration every rank shares, so every rank predicts and chooses alike.
 
@@ -382,7 +383,8 @@ class CostModel:
         if N < 2:
             return self.intra
         lat = (N * self.inter.latency_s + (W - N) * self.intra.latency_s) / W
-        return Link(self.inter.bytes_per_s, lat, self.inter.shared, self.inter.name, burst_bytes=self.inter.burst_bytes)
+        return Link(self.inter.bytes_per_s, lat, self.inter.shared, self.inter.name,
+                    burst_bytes=self.inter.burst_bytes)
 
     def predict(self, scheme: str, codec, numel: int, dtype: Any, world_size: int, inner: str = "") -> dict:
         """Predicted times of one bucket under ``scheme`` (``inner``: hierarchical's scheme across

@@ -245,8 +245,8 @@ class PeerCheck:
             return (f"gradcomp: step {self.step}, {self.label} (codec {self.spec}, scheme {self.scheme}): rank(s) "
                     f"{', '.join(map(str, short))} could not allocate the buffers of {self._what(me)} "
                     f"({int(me[4])} elements; the packet, the received packets, the workspace and the "
-                    f"error-feedback residuals of scheme {self.scheme}): out of memory there. Nothing was sent: no rank waits for it. Free memory, "
-                    f"or use smaller buckets or a codec with smaller packets.")
+                    f"error-feedback residuals of scheme {self.scheme}): out of memory there. Nothing was sent: "
+                    f"no rank waits for it. Free memory, or use smaller buckets or a codec with smaller packets.")
         parts = [self._diff(int(r), rows[r], me) for r in bad[:8]]
         more = f"; {len(bad) - 8} more ranks differ" if len(bad) > 8 else ""
         return (f"gradcomp: step {self.step}, {self.label} (codec {self.spec}, scheme {self.scheme}): ranks disagree: "

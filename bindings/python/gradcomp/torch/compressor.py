@@ -283,6 +283,21 @@ def _bucket_id(key) -> int:
     return int(v) & 0xFFFFFFFF if kind == "index" else zlib.crc32(str(v).encode("utf-8"))
 
 
+def try_allocate(make: Callable[[], Any]) -> Tuple[Any, Optional[BaseException]]:
+    """``(make(), None)``, or ``(None, error)`` when ``make`` runs out of memory: a
+    ``torch.OutOfMemoryError``, a ``MemoryError``, or the CPU allocator's ``RuntimeError`` ("can't
+    allocate memory"). Other errors propagate. What the compressor's and FSDP2's pre-checks use to
+    tell every rank, before any collective, that one could not allocate."""
+    try:
+        return make(), None
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        return None, e
+    except RuntimeError as e:
+        if "allocate" not in str(e):
+            raise
+        return None, e
+
+
 class Compressor(BaseCompressor):
     """Compressed allreduce over a process group, with error feedback, for any loop or hook.
 
@@ -757,13 +772,14 @@ class Compressor(BaseCompressor):
     def _prepare(self, route: _Route) -> Optional[BaseException]:
         """A route's buffers, allocated before its first call sends anything: the scheme context
         (packet, received packets, accumulators), and (allocated and dropped) one decode workspace
-        and the error-feedback residuals with their backups. Returns the allocation error (out of memory) instead of
-        raising it, so that the call's descriptor tells every rank (:class:`PeerCheck`
+        and the error-feedback residuals with their backups. Returns the allocation error (out of
+        memory, :func:`try_allocate`) instead of raising it, so that the call's descriptor tells every rank (:class:`PeerCheck`
         ``alloc_failed``) and no rank is left waiting in a collective; other errors propagate."""
         if route.ctx is not None:
             return None
         lay = route.layout
-        try:
+
+        def make():
             ctx = SchemeContext.for_layout(route.scheme, route.codec, lay.numel, lay.dtype, lay.device,
                                            self.group, self.world_size, rank=self.rank, **route.options)
             if getattr(ctx, "dec_codec", None) is not None and getattr(ctx, "packet", None) is not None:
@@ -771,14 +787,12 @@ class Compressor(BaseCompressor):
             if self.error_feedback and "residual" in scheme_table.get(route.scheme).slots and lay.residual is None:
                 # the residual slots and their backups the call's activate allocates: tried, dropped
                 torch.empty(2 * len(self.store.slot_names) * lay.numel, dtype=torch.float32, device=lay.device)
-        except (torch.OutOfMemoryError, MemoryError) as e:
-            return e
-        except RuntimeError as e:  # the CPU allocator's "can't allocate memory"
-            if "allocate" not in str(e):
-                raise
-            return e
-        route.ctx = ctx
-        return None
+            return ctx
+
+        ctx, err = try_allocate(make)
+        if err is None:
+            route.ctx = ctx
+        return err
 
     def _split(self, key, tensor, entries: list) -> Optional[_Split]:
         """How ``tensor``'s map divides between exempt and compressed parameters (cached per

@@ -90,7 +90,7 @@ from ..codec import Codec
 from ..codec import _dtype_name as dtype_name
 from ..errors import RankMismatchError, in_context
 from ..schemes.reduce_scatter import ReduceScatterContext, RowLayout, reduce_scatter
-from .compressor import Compressor, check_options
+from .compressor import Compressor, check_options, try_allocate
 from .policy import ExemptArg, ExemptRule  # noqa: F401 (ExemptArg: re-exported, its old home)
 from .protocol import LossScale
 from .residuals import NONFINITE_MODES
@@ -484,18 +484,13 @@ def _allocated_everywhere(label: str, group, W: int, device: torch.device, make:
     of the unit: one all-gather of an int32 per rank says where that ran out of memory, and every
     rank raises :class:`gradcomp.RankMismatchError` naming those ranks (so none waits in a
     reduce-scatter another rank never starts). Other errors propagate."""
-    err: Optional[BaseException] = None
-    ctx = None
-    try:
+    def make_all():
         ctx = make()
         if residual_numel:
             torch.empty(residual_numel, dtype=torch.float32, device=device)
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        err = e
-    except RuntimeError as e:  # the CPU allocator's "can't allocate memory"
-        if "allocate" not in str(e):
-            raise
-        err = e
+        return ctx
+
+    ctx, err = try_allocate(make_all)
     flags = torch.empty(W, dtype=torch.int32, device=device)
     dist.all_gather_into_tensor(flags, torch.tensor([int(err is not None)], dtype=torch.int32, device=device),
                                 group=group)

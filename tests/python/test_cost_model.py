@@ -143,8 +143,71 @@ def test_cost_model_engine_cost_reaches_every_collective():
     # the descriptor check: an all-gather of PEER_CHECK_BYTES over the flat link
     assert planner.PEER_CHECK_BYTES == 256
     assert close(m.peer_check_s(4), 2e-3 + 3 * 5e-4 + 3 * 256 / 1e9)
-    assert m.describe()["engine_cost"] == {"per_collective_s": 2e-3, "bytes_per_s": 1e9, "latency_s": 5e-4}
+    assert m.describe()["engine_cost"] == {"per_collective_s": 2e-3, "bytes_per_s": 1e9, "latency_s": 5e-4,
+                                           "kind_bytes_per_s": {}}
     assert planner.CostModel(planner.Link(1e9)).peer_check_s(1) == 0.0
+
+
+def test_engine_cost_all_gather_rate_from_its_own_calibration():
+    # W = 4: small all-gather c + 3 a, large all-gather of P per rank = that + 3 P / g
+    W, c, a, r, g, B, P = 4, 2e-3, 4e-4, 1e9, 4e8, 16 << 20, 16 << 20
+    e = planner.EngineCost.calibrate(W, c + 6 * a, c + 3 * a, c + 6 * a + 1.5 * B / r, B,
+                                     large_all_gather=(c + 3 * a + 3 * P / g, P))
+    assert close(e.bytes_per_s, r) and close(e.rate("all_gather"), g)
+    assert e.rate("allreduce") == e.rate("all_to_all") == e.rate("reduce_scatter") == e.bytes_per_s
+    assert close(e.fixed_s("allreduce", W), c + 6 * a) and close(e.fixed_s("all_gather", W), c + 3 * a)
+    assert close(e.fixed_s("all_to_all", 8), c + a) and close(e.fixed_s("reduce_scatter", 2), c + a)
+    # the all-gather's volume now moves at g, an allreduce's still at r
+    fast, n = planner.Link(1e12, 0.0), 1_000_000
+    assert close(planner.collective_time("all_gather", n, W, fast, engine=e), c + 3 * a + 3 * n / g)
+    assert close(planner.collective_time("allreduce", n, W, fast, engine=e), c + 6 * a + 1.5 * n / r)
+    assert e.to_dict()["kind_bytes_per_s"] == {"all_gather": e.rate("all_gather")}
+    assert "all_gather 0.4 GB/s" in repr(e)
+    # a 2-rank group: alpha from its allreduce's two messages against the all-gather's one
+    e2 = planner.EngineCost.calibrate(2, 1e-3 + 2 * a, 1e-3 + a, 1e-3 + 2 * a + B / r, B,
+                                      large_all_gather=(1e-3 + a + P / g, P))
+    assert close(e2.latency_s, a) and close(e2.per_collective_s, 1e-3) and close(e2.rate("all_gather"), g)
+    with pytest.raises(ValueError, match="large_all_gather bytes=0"):
+        planner.EngineCost.calibrate(W, 3e-3, 2e-3, 5e-3, B, large_all_gather=(4e-3, 0))
+    with pytest.raises(ValueError, match="large_all_gather seconds=-1"):
+        planner.EngineCost.calibrate(W, 3e-3, 2e-3, 5e-3, B, large_all_gather=(-1, P))
+    with pytest.raises(ValueError, match="'broadcast'; accepted: allreduce"):
+        planner.EngineCost(0, 1e9, kind_bytes_per_s={"broadcast": 1e9})
+    with pytest.raises(ValueError, match=r"kind_bytes_per_s\['all_gather'\]=0"):
+        planner.EngineCost(0, 1e9, kind_bytes_per_s={"all_gather": 0})
+
+
+def test_cost_model_engine_cost_per_group_shape():
+    """hierarchical's steps inside a node take the "intra" engine, its cross-node step the
+    "inter" one; flat schemes and the descriptor check the "flat" one."""
+    flat, intra, inter = (planner.EngineCost(2e-3, 1e9, 5e-4), planner.EngineCost(0.0, 5e8, 1e-3),
+                          planner.EngineCost(1e-4, 2e8, 2e-3))
+    none = gradcomp.Codec("none")
+    links = (planner.Link(math.inf, 0.0, name="lo"), planner.Link(math.inf, 0.0, per_node=True))
+    m = planner.CostModel(*links, 2, planner.Throughput(device="cpu"), "gloo",
+                          engine_cost={"flat": flat, "intra": intra, "inter": inter})
+    assert m.engine_for("flat") is flat and m.engine_for("intra") is intra and m.engine_for("inter") is inter
+    n = 1 << 10
+    c = n // 2
+    h = m.predict("hierarchical", none, n, "float32", 4, "dense")
+    # intra allreduce of the bucket (2 messages), inter dense allreduce of half (2), intra all-gather of half (1)
+    want = (2 * 1e-3 + 4 * n / 5e8) + (1e-4 + 2 * 2e-3 + 4 * c / 2e8) + (1e-3 + 4 * (c + 1) / 5e8)
+    assert close(h["comm_s"], want)
+    d = m.predict("dense", none, n, "float32", 4)
+    assert close(d["comm_s"], 2e-3 + 6 * 5e-4 + 1.5 * 4 * n / 1e9)
+    assert close(m.peer_check_s(4), 2e-3 + 3 * 5e-4 + 3 * 256 / 1e9)
+    assert set(m.describe()["engine_costs"]) == {"flat", "intra", "inter"}
+    # a shape left out takes the flat one; one EngineCost is every shape's
+    part = planner.CostModel(*links, 2, engine="gloo", engine_cost={"flat": flat, "inter": inter})
+    assert part.engine_for("intra") is flat and part.engine_for("inter") is inter
+    one = planner.CostModel(*links, 2, engine="gloo", engine_cost=flat)
+    assert all(one.engine_for(k) is flat for k in planner.ENGINE_LEVELS) and one.engine_cost is flat
+    assert planner.CostModel(*links, 2).engine_for("inter") is None
+    for bad in ({"intra": intra}, {"flat": flat, "node": intra}, {"flat": 1.0}, 3.0):
+        with pytest.raises(ValueError, match="accepted: None, an EngineCost"):
+            planner.CostModel(*links, 2, engine_cost=bad)
+    with pytest.raises(ValueError, match="engine level 'node'; accepted: flat, intra, inter"):
+        m.engine_for("node")
 
 
 def test_predict_flat_schemes_by_hand():
@@ -364,12 +427,18 @@ def test_cli_engine_cost(capsys):
             "nvlink=0", "--codec", "none", "--json"]
     assert planner_cli.main(argv + ["--engine-cost", "1000,500,1"]) == 0
     res = json.loads(capsys.readouterr().out)
-    want = {"per_collective_s": 1e-3, "latency_s": 5e-4, "bytes_per_s": 1e9}
+    want = {"per_collective_s": 1e-3, "latency_s": 5e-4, "bytes_per_s": 1e9, "kind_bytes_per_s": {}}
     assert res["inputs"]["cost_model"]["engine_cost"] == want
     dense = res["rows"][0]
     assert close(dense["comm_s"], 1e-3 + 6 * 5e-4 + 1.5 * 4e6 / 1e9, rel=1e-9)
     assert planner_cli.main(argv) == 0  # without it: the link alone
     assert close(json.loads(capsys.readouterr().out)["rows"][0]["comm_s"], 1.5 * 4e6 / 12.5e9, rel=1e-9)
+    # a fourth number: the all-gather's own rate
+    e = planner_cli.parse_engine_cost("1000,500,1,0.25")
+    assert e.kind_bytes_per_s == {"all_gather": 0.25e9} and e.bytes_per_s == 1e9
+    for bad in ("1000,500", "1000,500,1,2,3", "a,b,c", "1000,500,1,0"):
+        with pytest.raises(ValueError, match="accepted"):
+            planner_cli.parse_engine_cost(bad)
 
 
 def test_cli_table_png_and_scheme_all(tmp_path, capsys):
@@ -478,7 +547,7 @@ def test_cli_model_module(tmp_path, monkeypatch, capsys):
     (["--params", "1e6", "--link-gbps", "wifi=1"], "accepted"),
     (["--params", "1e6", "--accumulate", "0"], "accumulate"),
     (["--model", "nomodule"], "module:attr"),
-    (["--params", "1e6", "--engine-cost", "1,2"], "three numbers"),
+    (["--params", "1e6", "--engine-cost", "1,2"], "three or four numbers"),
     (["--params", "1e6", "--engine-cost", "1,2,0"], "bytes_per_s"),
 ])
 def test_cli_errors(argv, msg, capsys):

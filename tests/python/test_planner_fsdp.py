@@ -148,6 +148,17 @@ def test_hsdp_by_hand():
          + 2 * 1e-5 + ar / 1e8)                   # ring all-reduce over 2 replicas on the inter link
     assert close(d["comm_s"], t)
 
+    # engine costs per group shape: the shard group's collectives take the node's ("intra"), the
+    # replica all-reduce the cross-node one ("inter"); on links this fast the engines are the time
+    fast = planner.CostModel(planner.Link(1e15, 0.0), planner.Link(1e15, 0.0), 2, CPU, engine_cost={
+        "flat": planner.EngineCost(1.0, 1e15), "intra": planner.EngineCost(1e-3, 1e9, 1e-4),
+        "inter": planner.EngineCost(5e-3, 1e8, 1e-4)})
+    e = planner.plan_fsdp_step(UNITS, int8, 4, fast, engine="hsdp", variant="dense")
+    t = (2 * (1e-3 + 1e-4 + SHARD_G2 * 2 / 1e9)   # two all-gathers inside the node
+         + 1e-3 + 1e-4 + SHARD_G2 * 4 / 1e9       # the reduce-scatter
+         + 5e-3 + 2 * 1e-4 + ar / 1e8)            # the replica all-reduce, at the inter engine's rate
+    assert close(e["comm_s"], t)
+
     # compressed everywhere, the replica all-reduce's scheme forced to two_phase: chunks of 784
     both = planner.plan_fsdp_step(UNITS, int8, 4, model(), engine="hsdp", variant="both", scheme="two_phase")
     slot = int8_packet(1568) + pad16(53 * 4) + 16

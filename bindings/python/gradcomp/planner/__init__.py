@@ -86,8 +86,8 @@ from .bytes import (  # noqa: F401
     summarize, traffic_matrix, two_phase_slots,
 )
 from .cost import (  # noqa: F401
-    _DEFAULT_EFFICIENCY, _RATE_UNITS, _SPARSE_EFFICIENCY, COLLECTIVES, DEVICE_BYTES_PER_S, LINK_LEVELS, CostModel,
-    EngineCost, Link, Throughput, _kernel_time, collective_time, kernel_efficiency, parse_rate,
+    _DEFAULT_EFFICIENCY, _RATE_UNITS, _SPARSE_EFFICIENCY, COLLECTIVES, DEVICE_BYTES_PER_S, ENGINE_LEVELS, LINK_LEVELS,
+    CostModel, EngineCost, Link, Throughput, _kernel_time, collective_time, kernel_efficiency, parse_rate,
 )
 from .choice import bytes_choice, choice_report, choose_scheme, hierarchical_inner  # noqa: F401
 from .step import (  # noqa: F401
@@ -117,7 +117,7 @@ __all__ = [
     "choose_scheme", "bytes_choice", "hierarchical_inner", "choice_report",
     # cost
     "COLLECTIVES", "parse_rate", "Link", "LINK_LEVELS", "collective_time", "DEVICE_BYTES_PER_S", "Throughput",
-    "CostModel", "EngineCost", "kernel_efficiency",
+    "CostModel", "EngineCost", "ENGINE_LEVELS", "kernel_efficiency",
     # step, figures
     "parameter_list", "ddp_buckets", "plan_step", "published_figures", "FSDP_ENGINES", "FSDP_VARIANTS",
     "FSDP_COLLECTIVES", "fsdp_units", "plan_fsdp_step", "plan_fsdp_variants",

@@ -31,6 +31,9 @@ from .table import throughput as _table_throughput
 # interface, a bus): each of the p senders gets beta / p.
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "all_to_all")
+ENGINE_LEVELS = ("flat", "intra", "inter")
+"""The group shapes a :class:`CostModel` may hold an :class:`EngineCost` for: the W ranks
+(``flat``), a node's ranks (``intra``) and one rank per node (``inter``)."""
 
 _RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12,
@@ -132,9 +135,10 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: floa
     ``ranks`` ranks on ``link``; ``load`` scales the volume term (how many ranks' volumes cross a
     ``per_node`` link at once, :meth:`CostModel.predict`). With an ``engine``
     (:class:`EngineCost`, a CPU host's collective engine) the time is the slower of the link's
-    and the engine's: ``max(msgs alpha + load vol / beta, engine.per_collective_s + steps
-    engine.latency_s + vol / engine.bytes_per_s)``, where ``steps`` is the ring's sequential
-    messages (``msgs``), but 1 for an all-to-all (gloo posts its W-1 sends at once, then waits).
+    and the engine's: ``max(msgs alpha + load vol / beta, engine.fixed_s(kind, ranks) + vol /
+    engine.rate(kind))``, the fixed time ``per_collective_s + steps latency_s`` with ``steps``
+    the ring's sequential messages (``msgs``), but 1 for an all-to-all (gloo posts its W-1 sends
+    at once, then waits).
     The two overlap: gloo's threads do their per-collective and per-byte work (wake-ups, socket
     copies, the sum) while earlier segments are on the wire. 0.0 for ranks < 2.
 
@@ -157,8 +161,7 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: floa
     t_link = msgs * link.latency_s + (load * paced / beta if paced else 0.0)
     if engine is None:
         return t_link
-    steps = 1 if kind == "all_to_all" else msgs  # gloo posts an all-to-all's W-1 sends at once
-    return max(t_link, engine.per_collective_s + steps * engine.latency_s + (vol / engine.bytes_per_s if vol else 0.0))
+    return max(t_link, engine.fixed_s(kind, p) + (vol / engine.rate(kind) if vol else 0.0))
 
 
 class EngineCost:
@@ -167,34 +170,64 @@ class EngineCost:
     on an oversubscribed host, the scheduler), ``latency_s`` (alpha, s per message of the ring)
     and ``bytes_per_s`` (the rate the engine moves and reduces a collective's volume at: copies
     through the socket and the element-wise sum; the ceiling of an unshaped loopback).
+    ``kind_bytes_per_s`` (optional): the rate of a collective kind that moves its volume at
+    another rate, e.g. ``{"all_gather": 0.4e9}`` (gloo's all-gather copies every rank's part
+    into the output, where an allreduce sums in place); :meth:`rate` gives a kind's rate.
     :func:`collective_time` takes the slower of this and the link's alpha-beta time.
 
     The model is Hockney's latency-bandwidth one (alpha + n / beta) applied to the engine's
     own work, with the ring's sequential messages of Thakur, Rabenseifner & Gropp (IJHPCA 2005,
-    section 2) as the latency count. :meth:`calibrate` derives the three figures from three
-    unshaped timings of W ranks (``bench/slow_link.py`` measures them once per run and setup;
-    bench/RESULTS.md has how well the model then predicts its shaped rows, and where it misses).
+    section 2) as the latency count. :meth:`calibrate` derives the figures from unshaped timings
+    of one group shape (``bench/slow_link.py`` measures them once per run, setup and group
+    shape: the W ranks, and on two nodes also ``hierarchical``'s groups inside and across the
+    nodes, each with its sibling groups running at once; bench/RESULTS.md has how well the model
+    then predicts its shaped rows, and where it misses).
 
     Raises:
-        ValueError: per_collective_s < 0, latency_s < 0 or bytes_per_s <= 0.
+        ValueError: per_collective_s < 0, latency_s < 0, bytes_per_s <= 0, or a
+            ``kind_bytes_per_s`` key that is not a collective or a rate <= 0.
     """
 
-    __slots__ = ("per_collective_s", "bytes_per_s", "latency_s")
+    __slots__ = ("per_collective_s", "bytes_per_s", "latency_s", "kind_bytes_per_s")
 
-    def __init__(self, per_collective_s: float, bytes_per_s: float, latency_s: float = 0.0):
+    def __init__(self, per_collective_s: float, bytes_per_s: float, latency_s: float = 0.0,
+                 kind_bytes_per_s: Optional[dict] = None):
         if not float(per_collective_s) >= 0:
             raise ValueError(f"planner: EngineCost per_collective_s={per_collective_s}; accepted: >= 0")
         if not float(bytes_per_s) > 0:
             raise ValueError(f"planner: EngineCost bytes_per_s={bytes_per_s}; accepted: > 0 (inf allowed)")
         if not float(latency_s) >= 0:
             raise ValueError(f"planner: EngineCost latency_s={latency_s}; accepted: >= 0")
+        kinds = {}
+        for k, v in (kind_bytes_per_s or {}).items():
+            if k not in COLLECTIVES:
+                raise ValueError(f"planner: EngineCost kind_bytes_per_s key {k!r}; accepted: {', '.join(COLLECTIVES)}")
+            if not float(v) > 0:
+                raise ValueError(f"planner: EngineCost kind_bytes_per_s[{k!r}]={v}; accepted: > 0 (inf allowed)")
+            kinds[k] = float(v)
         self.per_collective_s, self.bytes_per_s = float(per_collective_s), float(bytes_per_s)
-        self.latency_s = float(latency_s)
+        self.latency_s, self.kind_bytes_per_s = float(latency_s), kinds
+
+    def rate(self, kind: str) -> float:
+        """Bytes/s of volume for a collective of ``kind``: its own rate when given, else
+        ``bytes_per_s``."""
+        return self.kind_bytes_per_s.get(kind, self.bytes_per_s)
+
+    def fixed_s(self, kind: str, ranks: int) -> float:
+        """Seconds of a collective of ``kind`` over ``ranks`` ranks before its volume:
+        ``per_collective_s + steps latency_s``, steps the ring's sequential messages (2 (p-1)
+        for an allreduce, p-1 for a reduce-scatter or an all-gather) and 1 for an all-to-all
+        (gloo posts its p-1 sends at once, then waits)."""
+        p = int(ranks)
+        steps = {"allreduce": 2 * (p - 1), "reduce_scatter": p - 1, "all_gather": p - 1, "all_to_all": 1}[kind]
+        return self.per_collective_s + steps * self.latency_s
 
     @classmethod
     def calibrate(cls, world_size: int, small_allreduce_s: float, small_all_gather_s: float,
-                  large_allreduce_s: float, large_allreduce_bytes: float) -> "EngineCost":
-        """The engine cost of W = ``world_size`` ranks from three unshaped timings (seconds):
+                  large_allreduce_s: float, large_allreduce_bytes: float, *,
+                  large_all_gather: Optional[Tuple[float, float]] = None) -> "EngineCost":
+        """The engine cost of a group of W = ``world_size`` ranks from unshaped timings
+        (seconds):
 
           - ``small_allreduce_s``: an allreduce of 2W float32 elements (every rank's ring
             segment holds data, unlike a 1-element one, which gloo sends as a shorter exchange):
@@ -202,37 +235,49 @@ class EngineCost:
           - ``small_all_gather_s``: an all-gather of a few bytes per rank: per_collective +
             (W-1) alpha;
           - ``large_allreduce_s``: an allreduce of ``large_allreduce_bytes`` (B): the small one
-            plus 2 (W-1)/W B / bytes_per_s.
+            plus 2 (W-1)/W B / bytes_per_s;
+          - optional, ``large_all_gather=(seconds, P)``: an all-gather of P bytes per rank: the
+            small all-gather plus (W-1) P / the all-gather's rate.
 
         Solves alpha = (small_allreduce - small_all_gather) / (W-1) and per_collective =
         small_all_gather - (W-1) alpha (each at least 0; alpha 0 when the all-gather is not
-        the faster, and per_collective then the all-gather's time), and bytes_per_s from the
-        large allreduce's excess over the small one (inf when there is none). The alpha is
+        the faster, and per_collective then the all-gather's time), and each rate from its large
+        collective's excess over the small one (inf when there is none). The alpha is
         ``latency_s``; the links the engine runs on then need no latency of their own.
 
         Raises:
-            ValueError: W < 2, a time that is not positive, or B <= 0.
+            ValueError: W < 2, a time that is not positive, or B or P <= 0.
         """
         W = int(world_size)
         if W < 2:
             raise ValueError(f"planner: EngineCost.calibrate world_size={world_size}; accepted: >= 2")
-        for name, v in (("small_allreduce_s", small_allreduce_s), ("small_all_gather_s", small_all_gather_s),
-                        ("large_allreduce_s", large_allreduce_s), ("large_allreduce_bytes", large_allreduce_bytes)):
+        named = [("small_allreduce_s", small_allreduce_s), ("small_all_gather_s", small_all_gather_s),
+                 ("large_allreduce_s", large_allreduce_s), ("large_allreduce_bytes", large_allreduce_bytes)]
+        if large_all_gather is not None:
+            named += [("large_all_gather seconds", large_all_gather[0]), ("large_all_gather bytes", large_all_gather[1])]
+        for name, v in named:
             if not float(v) > 0:
                 raise ValueError(f"planner: EngineCost.calibrate {name}={v}; accepted: > 0")
+
+        def rate(vol, t, base):
+            return vol / (float(t) - float(base)) if float(t) > float(base) else float("inf")
+
         alpha = max(0.0, (float(small_allreduce_s) - float(small_all_gather_s)) / (W - 1))
         per_coll = max(0.0, float(small_all_gather_s) - (W - 1) * alpha)
-        excess = float(large_allreduce_s) - float(small_allreduce_s)
-        vol = 2.0 * (W - 1) / W * float(large_allreduce_bytes)
-        return cls(per_coll, vol / excess if excess > 0 else float("inf"), alpha)
+        kinds = {}
+        if large_all_gather is not None:
+            kinds["all_gather"] = rate((W - 1) * float(large_all_gather[1]), large_all_gather[0], small_all_gather_s)
+        return cls(per_coll, rate(2.0 * (W - 1) / W * float(large_allreduce_bytes), large_allreduce_s,
+                                  small_allreduce_s), alpha, kinds)
 
     def to_dict(self) -> dict:
         return {"per_collective_s": self.per_collective_s, "bytes_per_s": self.bytes_per_s,
-                "latency_s": self.latency_s}
+                "latency_s": self.latency_s, "kind_bytes_per_s": dict(self.kind_bytes_per_s)}
 
     def __repr__(self) -> str:
+        kinds = "".join(f", {k} {v / 1e9:g} GB/s" for k, v in self.kind_bytes_per_s.items())
         return (f"EngineCost({1e6 * self.per_collective_s:g} us per collective, alpha {1e6 * self.latency_s:g} us, "
-                f"{self.bytes_per_s / 1e9:g} GB/s)")
+                f"{self.bytes_per_s / 1e9:g} GB/s{kinds})")
 
 
 # Achievable memory bandwidth (bytes/s) of named devices, for kernel times without a bench table:
@@ -340,18 +385,24 @@ class CostModel:
         error_feedback: whether encodes read and write a residual.
         engine_cost: an :class:`EngineCost` (a CPU host's collective engine, measured): every
             collective on every level takes the slower of its link time and the engine's
-            (:func:`collective_time`); None: the links alone (GPU hosts, where NCCL's cost is in
-            the link's alpha).
+            (:func:`collective_time`); or a dict of one per group shape (:data:`ENGINE_LEVELS`):
+            ``"flat"`` (the W ranks: flat schemes, the descriptor check, FSDP2's ring),
+            ``"intra"`` (a node's L ranks, the N nodes' groups at once: hierarchical's steps
+            inside the node, HSDP's shard group) and ``"inter"`` (one rank per node, the L such
+            groups at once: hierarchical's cross-node step, HSDP's replica all-reduce); a shape
+            left out takes the ``"flat"`` one. None: the links alone (GPU hosts, where NCCL's
+            cost is in the link's alpha). :meth:`engine_for` gives a shape's.
 
     All inputs are configuration every rank shares, so every rank predicts and chooses alike.
 
     Raises:
-        ValueError: engine not nccl/gloo; local_world_size < 0.
+        ValueError: engine not nccl/gloo; local_world_size < 0; an engine_cost dict without
+            ``"flat"``, with another key, or with a value that is not an :class:`EngineCost`.
     """
 
     def __init__(self, intra: Link, inter: Optional[Link] = None, local_world_size: int = 0,
                  throughput: Optional[Throughput] = None, engine: str = "nccl", error_feedback: bool = True,
-                 engine_cost: Optional[EngineCost] = None):
+                 engine_cost: Any = None):
         if engine not in ("nccl", "gloo"):
             raise ValueError(f"planner: engine={engine!r}; accepted: nccl, gloo")
         if int(local_world_size) < 0:
@@ -360,7 +411,27 @@ class CostModel:
         self.local_world_size = int(local_world_size)
         self.throughput = throughput or Throughput(device="H200")
         self.engine, self.error_feedback = engine, bool(error_feedback)
-        self.engine_cost = engine_cost
+        if engine_cost is None or isinstance(engine_cost, EngineCost):
+            costs = {} if engine_cost is None else {"flat": engine_cost}
+        elif isinstance(engine_cost, dict) and "flat" in engine_cost and set(engine_cost) <= set(ENGINE_LEVELS) \
+                and all(isinstance(v, EngineCost) for v in engine_cost.values()):
+            costs = dict(engine_cost)
+        else:
+            raise ValueError(f"planner: engine_cost={engine_cost!r}; accepted: None, an EngineCost, or a dict of "
+                             f"EngineCost by group shape with 'flat' and any of {', '.join(ENGINE_LEVELS[1:])}")
+        self.engine_costs = costs
+        self.engine_cost = costs.get("flat")  # the W ranks' (every shape's when given alone)
+
+    def engine_for(self, level: str) -> Optional[EngineCost]:
+        """The :class:`EngineCost` of a group shape of :data:`ENGINE_LEVELS` (the ``"flat"`` one
+        for a shape the model was not given; None without an engine cost).
+
+        Raises:
+            ValueError: an unknown shape.
+        """
+        if level not in ENGINE_LEVELS:
+            raise ValueError(f"planner: engine level {level!r}; accepted: {', '.join(ENGINE_LEVELS)}")
+        return self.engine_costs.get(level, self.engine_cost)
 
     @classmethod
     def loopback(cls, rate: Any, latency_s: float = 50e-6, throughput: Optional[Throughput] = None,
@@ -417,7 +488,8 @@ class CostModel:
             level = "inter" if nodes > 1 else "intra"
             steps = [(level,) + tuple(s[1:]) for s in steps]
             links = {level: self._flat_link(W)}
-        comm = sum(collective_time(kind, nb, p, links[lv], self._load(scheme, lv, kind, W), self.engine_cost)
+        comm = sum(collective_time(kind, nb, p, links[lv], self._load(scheme, lv, kind, W),
+                                   self.engine_for("flat" if desc.flat else lv))
                    for lv, kind, nb, p, _ in steps)
         by = {"intra": 0.0, "inter": 0.0}
         for lv, _, _, _, sent in steps:
@@ -428,11 +500,13 @@ class CostModel:
     def peer_check_s(self, world_size: int) -> float:
         """Seconds of the compressor's once-per-step descriptor check: an all-gather of
         :data:`~gradcomp.planner.PEER_CHECK_BYTES` per rank over the W = ``world_size`` ranks on
-        the flat link (on one node, the intra link). On gloo it is one more collective beside a
-        step's first, and its cost is the engine's per-collective one; 0.0 for W < 2."""
+        the flat link (on one node, the intra link), with the flat engine cost
+        (:meth:`engine_for`). On gloo it is one more collective beside a step's first, and its
+        cost is the engine's per-collective one; 0.0 for W < 2."""
         W = int(world_size)
         return collective_time("all_gather", PEER_CHECK_BYTES, W, self._flat_link(W),
-                               self.inter_load("all_gather", W) if self.nodes(W) > 1 else 1.0, self.engine_cost)
+                               self.inter_load("all_gather", W) if self.nodes(W) > 1 else 1.0,
+                               self.engine_for("flat"))
 
     def _load(self, scheme: str, level: str, kind: str, world_size: int) -> float:
         """How many ranks' volumes cross a ``per_node`` inter link at once: the L cross-node groups
@@ -511,4 +585,5 @@ class CostModel:
         return {"intra": self.intra.to_dict(), "inter": None if self.inter is None else self.inter.to_dict(),
                 "local_world_size": self.local_world_size, "engine": self.engine,
                 "throughput": self.throughput.name, "error_feedback": self.error_feedback,
-                "engine_cost": None if self.engine_cost is None else self.engine_cost.to_dict()}
+                "engine_cost": None if self.engine_cost is None else self.engine_cost.to_dict(),
+                "engine_costs": {k: v.to_dict() for k, v in self.engine_costs.items()}}

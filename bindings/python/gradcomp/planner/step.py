@@ -378,14 +378,16 @@ def plan_fsdp_step(units: Any, codec, world_size: int, cost_model: CostModel, *,
         G, R, Ln = W, 1, (L if multi else 0)
         link = cost_model._flat_link(W)
         load_a2a = cost_model.inter_load("all_to_all", W) if multi else 1.0
+        eng = cost_model.engine_for("flat")
     else:
         G = L if multi else W
         R, Ln, link, load_a2a = W // G, 0, cost_model.intra, 1.0
+        eng = cost_model.engine_for("intra" if multi else "flat")  # the shard group: a node's ranks
         if R > 1:  # the replica group: one rank per node on the inter link, L such groups per node at once
             inter = cost_model.inter
             beta = inter.bytes_per_s / cost_model.inter_load("allreduce", W, grouped=True)
             rm = CostModel(Link(beta, inter.latency_s, inter.shared, inter.name), None, 0, tp, cost_model.engine, ef,
-                           cost_model.engine_cost)
+                           cost_model.engine_for("inter"))
     colls = {k: _new_collective() for k in FSDP_COLLECTIVES}
     n_params = n_exempt = n_tensors = pbytes = gbytes = 0
     used = {"param": set(), "reduce": set()}
@@ -416,7 +418,7 @@ def plan_fsdp_step(units: Any, codec, world_size: int, cost_model: CostModel, *,
         # the parameters' all-gather: a ring, every rank's padded shard to every other
         gathers = 1 if (not reshard_after_forward or unit.get("root")) else 2
         _add(colls["all_gather"], "ring", level_bytes("all_gather", all_gather_bytes(shard_p, G), G, Ln),
-             collective_time("all_gather", shard_p, G, link, engine=cost_model.engine_cost), times=gathers)
+             collective_time("all_gather", shard_p, G, link, engine=eng), times=gathers)
         # the gradients' reduce-scatter
         if rs_c:
             acc = fsdp_reduce_scatter_bytes(codec, rows, rdt, N)
@@ -424,11 +426,11 @@ def plan_fsdp_step(units: Any, codec, world_size: int, cost_model: CostModel, *,
             enc = tp.encode_s(codec, sum(c for c, _ in rows), rdt, ef)
             dec = G * tp.decode_s(codec, rows[0][0], "float32")
             _add(colls["reduce_scatter"], "all_to_all", level_bytes("all_to_all", acc["sent_bytes"], G, Ln),
-                 collective_time("all_to_all", slot, G, link, load_a2a, cost_model.engine_cost), enc, dec)
+                 collective_time("all_to_all", slot, G, link, load_a2a, eng), enc, dec)
         else:
             ring = all_gather_bytes(N // G * es, G)  # (G-1) shards: (G-1)/G of the input
             _add(colls["reduce_scatter"], "ring", level_bytes("reduce_scatter", ring, G, Ln),
-                 collective_time("reduce_scatter", N * es, G, link, engine=cost_model.engine_cost))
+                 collective_time("reduce_scatter", N * es, G, link, engine=eng))
         # hsdp: this rank's shard all-reduced across the R replicas
         if rm is not None:
             c0, e0 = rows[0]

@@ -32,17 +32,25 @@ onebit; two_phase), all with error feedback except none, every bucket compressed
 the compressor's stats and the prediction uses the same one.
 
 Calibration, once per run, unshaped (stated in the output): for each setup kind, on its unshaped
-setup (``lo:unlimited``; ``nodes:unlimited``), gloo's engine cost
-(``planner.EngineCost.calibrate``): an allreduce of 2W float32 elements (per collective + 2 (W-1)
+setup (``lo:unlimited``; ``nodes:unlimited``), gloo's engine cost per group shape
+(``planner.EngineCost.calibrate``, :func:`measure_engine`): the W ranks ("flat"), and on two
+nodes also ``hierarchical``'s 2-rank groups inside a node ("intra") and across the nodes
+("inter"), each timed with its sibling group running at once, as the scheme runs them. Per
+shape: an allreduce of 2p float32 elements (p: the group's ranks; per collective + 2 (p-1)
 alpha: every ring segment holds data, unlike a 1-element allreduce, which gloo runs as a shorter
-exchange), an all-gather of 8 bytes per rank (per collective + (W-1) alpha) and an allreduce of
-``CALIB_LARGE_NUMEL`` float32 (the engine's bytes/s), each call after a barrier, medians over
---alpha-reps calls of the mean over ranks; on the loopback, the DDP bucket layouts and the compute
-time of a DDP step with PyTorch's ``noop_hook`` (forward + backward + SGD step, no communication;
-4 ranks computing at once). The model of each setup (:func:`cost_model`) takes the engine cost
-(every collective takes the slower of the link and the engine), links without latency of their
+exchange), an all-gather of 8 bytes per rank (per collective + (p-1) alpha), an allreduce of
+``CALIB_LARGE_NUMEL`` float32 (the engine's bytes/s) and an all-gather of as many bytes per rank
+(the all-gather's own bytes/s: gloo copies every part into the output, where an allreduce sums
+in place; 0.4 against 1.0 GB/s here), each call after a barrier, medians over --alpha-reps calls
+of the mean over ranks; on two nodes after creating ``hierarchical``'s groups (:func:`job_groups`:
+the state every row of the setup runs in). On the loopback also the DDP bucket layouts and the
+compute time of a DDP step with PyTorch's ``noop_hook`` (forward + backward + SGD step, no
+communication; 4 ranks computing at once). The model of each setup (:func:`cost_model`) takes the engine costs (every
+collective takes the slower of the link and its group's engine), links without latency of their
 own (a tbf queues; alpha is the engine's) with the tbf's burst (lent once per collective), and on
-``nodes`` the node's loopback at the engine's measured rate.
+``nodes`` the node's loopback at the measured engine rate of the groups inside the nodes.
+``--repredict JSON`` judges a saved run again under the planner as it is now (:func:`judge`),
+measuring nothing.
 
 Per row (setup x model x codec [x scheme]):
   comm   the model's buckets reduced through ``gradcomp.torch.Compressor.allreduce`` one at a
@@ -91,7 +99,7 @@ first) or is skipped (listed, with the predicted step time); rows left when --bu
 Usage (root):
   python bench/slow_link.py [--quick] [--out results/slow_link] [--setups lo:1gbit,nodes:1gbit]
       [--models digits,mlp25m] [--codecs 'none;fp16;topk:ratio=0.01;int8'] [--steps 5] [--warmup 2]
-      [--row-limit-s 60] [--budget-s 1800] [--no-ddp]
+      [--row-limit-s 60] [--budget-s 1800] [--no-ddp] [--repredict SAVED/slow_link.json]
 --quick: lo:1gbit and nodes:1gbit, digits only (plus mlp25m with topk and int4 at lo:1gbit),
 codecs none, fp16, topk:ratio=0.01, int8; 3 steps. Writes ``--out``/slow_link.json and
 ``--out``/slow_link.md (the tables). Exit status 0; 2 when the links cannot be built here (the
@@ -116,7 +124,7 @@ SETUPS = ("lo:unlimited", "lo:100mbit", "lo:1gbit", "lo:10gbit", "nodes:unlimite
 QUICK_SETUPS = ("lo:unlimited", "lo:1gbit", "nodes:1gbit")
 MODELS = {
     "digits": {"bucket_cap_mb": 0.1, "batch": 48, "steps": 40, "warmup": 3, "ddp_steps": 5, "ddp_warmup": 2},
-    "mlp25m": {"bucket_cap_mb": 25.0, "batch": 8, "steps": 3, "warmup": 1, "ddp_steps": 2, "ddp_warmup": 0},
+    "mlp25m": {"bucket_cap_mb": 25.0, "batch": 8, "steps": 5, "warmup": 1, "ddp_steps": 2, "ddp_warmup": 0},
 }
 """Per model: DDP bucket_cap_mb, batch per rank, measured / warm-up steps of the comm rows, and of
 the DDP rows (``ddp_warmup`` warm-up steps beyond the one every DDP run takes: DDP rebuilds its
@@ -159,29 +167,59 @@ def build_model(name):
     raise ValueError(f"slow_link: model {name!r}; accepted: {', '.join(MODELS)}")
 
 
-def job_collective(rank, world, kind, numel, reps):
-    """Times (s) of ``reps`` collectives, each started after a ``dist.barrier()`` (as every
-    collective of a row, :class:`AlignedProbe`), after 10 warm-up calls: ``kind`` "allreduce"
-    of ``numel`` float32 elements, or "all_gather" of ``numel`` bytes per rank."""
+def job_collective(rank, world, kind, numel, reps, level="flat"):
+    """Times (s) of ``reps`` collectives, each started after a ``dist.barrier()`` of the whole
+    world (as every collective of a row, :class:`AlignedProbe`), after 10 warm-up calls: ``kind``
+    "allreduce" of ``numel`` float32 elements, "all_gather" of ``numel`` bytes per rank or
+    "all_to_all" of ``numel`` bytes per slot, over
+    ``level``'s group: "flat" the W ranks; "intra" this rank's node (L ranks; the N nodes' groups
+    run at once) or "inter" its local rank's group across the nodes (N ranks; L groups at once),
+    the groups of ``hierarchical`` (``gradcomp.schemes.groups``)."""
     import torch
     import torch.distributed as dist
 
     from gradcomp.bench import timing
 
+    group = None
+    if level != "flat":
+        from gradcomp.schemes.groups import hierarchical_groups_for
+
+        hg = hierarchical_groups_for(None, L)
+        group = {"intra": hg.intra, "inter": hg.cross}[level]
+    p = dist.get_world_size(group)
     if kind == "allreduce":
         x = torch.ones(numel)
 
         def call():
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=group)
     elif kind == "all_gather":
         x = torch.ones(numel, dtype=torch.uint8)
-        out = torch.empty(numel * world, dtype=torch.uint8)
+        out = torch.empty(numel * p, dtype=torch.uint8)
 
         def call():
-            dist.all_gather_into_tensor(out, x)
+            dist.all_gather_into_tensor(out, x, group=group)
+    elif kind == "all_to_all":
+        x = torch.ones(numel * p, dtype=torch.uint8)
+        out = torch.empty(numel * p, dtype=torch.uint8)
+
+        def call():
+            dist.all_to_all_single(out, x, group=group)
     else:
-        raise ValueError(f"slow_link: calibration collective {kind!r}; accepted: allreduce, all_gather")
+        raise ValueError(f"slow_link: calibration collective {kind!r}; accepted: allreduce, all_gather, all_to_all")
     return timing.time_calls(call, reps, warmup=10, before=dist.barrier)
+
+
+def job_groups(rank, world):
+    """Creates ``hierarchical``'s process groups (nodes of L ranks; cached by
+    ``gradcomp.schemes.groups``) at the start of a two-node pool, before its calibration and its
+    first row. The two-node rows create them at their first hierarchical row anyway, and gloo's
+    collectives on the W ranks run faster once the processes hold the extra groups (a digits
+    two_phase step 14.6 ms before, 12.7 ms after; bench/RESULTS.md): created first, every row and
+    the calibration of the setup run in the same state. The loopback rows, which never create
+    them, run without them, as their calibration does."""
+    from gradcomp.schemes.groups import hierarchical_groups_for
+
+    hierarchical_groups_for(None, L)
 
 
 def job_ddp(rank, world, model_name, codec, scheme, ef, warmup, steps, local_world_size=0):
@@ -371,10 +409,11 @@ def parse_setup(text):
 
 def cost_model(kind, rate, engine):
     """The planner's model of a setup: its links and gloo with the calibrated ``engine``
-    (``planner.EngineCost``: a cost per collective, alpha and the engine's bytes/s). The links add
-    no latency of their own (a tbf queues, it does not delay an idle link): alpha is gloo's, in
-    the engine. A node's unshaped loopback (the intra level of ``nodes``) runs at the measured
-    engine rate."""
+    (``planner.EngineCost``: a cost per collective, alpha and the engine's bytes/s; on two nodes
+    a dict of one per group shape, ``planner.ENGINE_LEVELS``). The links add no latency of their
+    own (a tbf queues, it does not delay an idle link): alpha is gloo's, in the engine. A node's
+    unshaped loopback (the intra level of ``nodes``) runs at the measured engine rate of the
+    groups inside the nodes."""
     from gradcomp import planner
     from gradcomp.experiments import links
 
@@ -384,7 +423,8 @@ def cost_model(kind, rate, engine):
     if kind == "lo":
         return planner.CostModel(planner.Link.parse(rate, 0.0, shared=True, name=f"loopback {rate}", burst_bytes=burst),
                                  None, 0, tp, "gloo", engine_cost=engine)
-    return planner.CostModel(planner.Link(engine.bytes_per_s, 0.0, name="lo (measured)"),
+    intra = engine.get("intra", engine["flat"]) if isinstance(engine, dict) else engine
+    return planner.CostModel(planner.Link(intra.bytes_per_s, 0.0, name="lo (measured)"),
                              planner.Link(planner.parse_rate(rate), 0.0, per_node=True, name=f"veth {rate}",
                                           burst_bytes=burst),
                              local_world_size=L, throughput=tp, engine="gloo", engine_cost=engine)
@@ -461,6 +501,8 @@ def run_setup(bench, kind, rate, calib, codecs, models, hier):
     with ctx as net:
         bench.log(f"setup {kind}:{rate}: namespaces {net.namespaces}, tbf {net.tbf}")
         with GlooPool(W, threads=1, gloo_timeout_s=600, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
+            if kind == "nodes":
+                pool.run(job_groups)
             net_calib = {"bytes": 0.0, "packets": 0.0}
             if net.tbf is not None:  # bytes and packets of one barrier through the shaped devices
                 nb = 200
@@ -543,8 +585,6 @@ def run_row(bench, pool, net, net_calib, model, kind, rate, mname, codec, scheme
     if d is not None:  # the alignment barriers' own packets, measured on this setup
         d["bytes"] -= steps * barriers * net_calib["bytes"]
         d["packets"] -= steps * barriers * net_calib["packets"]
-    shaped = net.tbf is not None
-    ratio = comm / pred["comm_s"] if pred["comm_s"] > 0 else float("nan")
     row = {"setup": setup, "kind": kind, "rate": rate, "model": mname, "codec": codec.spec,
            "scheme_requested": scheme,
            "scheme": "+".join(sorted({b[2] + (f"({b[3]})" if b[3] else "") for b in buckets})),
@@ -554,25 +594,15 @@ def run_row(bench, pool, net, net_calib, model, kind, rate, mname, codec, scheme
            "comm_per_step_ms": [1e3 * c for c in comm_mean], "barriers_per_step": barriers,
            "comm_phases_per_step": phases,
            "tbf_credit_ms": (1e3 * phases * net.tbf["burst_bytes"] / net.tbf["bytes_per_s"] if net.tbf else 0.0),
-           "pred_comm_ms": 1e3 * pred["comm_s"], "ratio": ratio,
-           "within": bool(abs(ratio - 1.0) <= TOLERANCE) if shaped else None,
-           "meas_kernel_ms": 1e3 * statistics.median(kern), "pred_kernel_ms": 1e3 * (pred["encode_s"] + pred["decode_s"]),
-           "meas_wall_ms": 1e3 * statistics.median(wall), "pred_bytes": pred["wire_bytes"]}
+           "meas_kernel_ms": 1e3 * statistics.median(kern), "meas_wall_ms": 1e3 * statistics.median(wall)}
     if d is not None:
-        row.update(qdisc_bytes=d["bytes"] / steps, qdisc_packets=d["packets"] / steps, qdisc_dropped=d["dropped"],
-                   bytes_ratio=(d["bytes"] / steps) / pred["wire_bytes"] if pred["wire_bytes"] else float("nan"),
-                   payload_ratio=((d["bytes"] - HEADER_BYTES * d["packets"]) / steps) / pred["wire_bytes"]
-                   if pred["wire_bytes"] else float("nan"))
-    if not shaped:
+        row.update(qdisc_bytes=d["bytes"] / steps, qdisc_packets=d["packets"] / steps, qdisc_dropped=d["dropped"])
+    if net.tbf is None:
         bench.floors[(kind, mname, codec.spec, scheme)] = comm
-    else:
-        fl = bench.floors.get((kind, mname, codec.spec, scheme))
-        if fl is not None:
-            row["floor_ms"] = 1e3 * fl
-            row["ratio_pred_plus_floor"] = comm / (pred["comm_s"] + fl)
+    elif (kind, mname, codec.spec, scheme) in bench.floors:
+        row["floor_ms"] = 1e3 * bench.floors[(kind, mname, codec.spec, scheme)]
     if not a.no_ddp:
         comp_s = calib["compute_s"][mname]
-        ddp_pred = comp_s + pred["comm_s"] + statistics.median(kern)
         guess_ddp = comp_s + max(pred["comm_s"], floor) + statistics.median(kern) + 0.02
         left = a.row_limit_s - (time.perf_counter() - t_row)
         dfit = bench.fit(guess_ddp, mc["ddp_warmup"], mc["ddp_steps"], left - guess_ddp, min_steps=1)
@@ -583,11 +613,38 @@ def run_row(bench, pool, net, net_calib, model, kind, rate, mname, codec, scheme
         else:
             dw, ds = dfit[0] + 1, dfit[1]  # one warm-up at least (DDP rebuilds its buckets after step 1)
             out = pool.run(job_ddp, mname, codec.spec, scheme, ef, dw, ds, lw, timeout=120 + 4 * (dw + ds) * guess_ddp)
-            meas = statistics.median(out[0]["times"])
-            row.update(ddp_meas_ms=1e3 * meas, ddp_pred_ms=1e3 * ddp_pred, ddp_ratio=meas / ddp_pred,
-                       ddp_compute_ms=1e3 * comp_s, ddp_steps=ds, ddp_warmup=dw,
-                       ddp_buckets=[list(b) for b in out[0].get("buckets", [])])
+            row.update(ddp_meas_ms=1e3 * statistics.median(out[0]["times"]), ddp_compute_ms=1e3 * comp_s,
+                       ddp_steps=ds, ddp_warmup=dw, ddp_buckets=[list(b) for b in out[0].get("buckets", [])])
     row["row_s"] = time.perf_counter() - t_row
+    judge(row, model, codec)
+    return row
+
+
+def _ratio(num, den):
+    return num / den if den else float("nan")
+
+
+def judge(row, model, codec):
+    """The model's figures of a measured ``row`` (in place): the predicted comm, kernels and bytes
+    of its buckets (:func:`predict_buckets` with ``model``, the setup's :func:`cost_model`),
+    ratio and "within" (shaped setups only), the bytes ratios (with tc's counts), measured /
+    (predicted + floor) (with a floor) and the DDP step's prediction: compute + predicted comm +
+    the row's measured kernels (with a DDP measurement). Nothing here is measured, so a saved
+    run can be judged again under a changed model (``--repredict``)."""
+    pred = predict_buckets(model, codec, [tuple(b) for b in row["buckets"]], row["kind"])
+    p_ms, wire = 1e3 * pred["comm_s"], pred["wire_bytes"]
+    ratio = _ratio(row["meas_comm_ms"], p_ms)
+    row.update(pred_comm_ms=p_ms, ratio=ratio,
+               within=bool(abs(ratio - 1.0) <= TOLERANCE) if row["rate"] != "unlimited" else None,
+               pred_kernel_ms=1e3 * (pred["encode_s"] + pred["decode_s"]), pred_bytes=wire)
+    if row.get("qdisc_bytes") is not None:
+        row.update(bytes_ratio=_ratio(row["qdisc_bytes"], wire),
+                   payload_ratio=_ratio(row["qdisc_bytes"] - HEADER_BYTES * row["qdisc_packets"], wire))
+    if row.get("floor_ms") is not None:
+        row["ratio_pred_plus_floor"] = row["meas_comm_ms"] / (p_ms + row["floor_ms"])
+    if row.get("ddp_meas_ms") is not None:
+        row["ddp_pred_ms"] = row["ddp_compute_ms"] + p_ms + row["meas_kernel_ms"]
+        row["ddp_ratio"] = row["ddp_meas_ms"] / row["ddp_pred_ms"]
     return row
 
 
@@ -600,26 +657,54 @@ CALIB_LARGE_NUMEL = 1 << 22
 """Elements of the calibration's large float32 allreduce (16 MiB)."""
 
 
-def measure_engine(bench, pool, label):
-    """``(planner.EngineCost, timings)`` of the gloo ranks of ``pool`` (an unshaped setup):
-    ``EngineCost.calibrate`` from an allreduce of 2W float32, an all-gather of 8 B per rank and
-    an allreduce of :data:`CALIB_LARGE_NUMEL` float32 (medians over --alpha-reps calls, the large
-    one a thirtieth as many, at least 5; each call after a barrier, the mean over ranks)."""
+ENGINE_LEVELS = {"lo": ("flat",), "nodes": ("flat", "intra", "inter")}
+"""The group shapes calibrated per setup kind (``planner.ENGINE_LEVELS``): the W ranks, and on two
+nodes also ``hierarchical``'s groups inside a node and across the nodes."""
+
+
+def measure_engine(bench, pool, label, levels):
+    """``({level: planner.EngineCost}, {level: timings})`` of the gloo ranks of ``pool`` (an
+    unshaped setup), for each group shape of ``levels`` (:func:`job_collective`: "flat" the W
+    ranks; "intra" / "inter" hierarchical's groups, the sibling groups running at once):
+    ``EngineCost.calibrate`` from an allreduce of 2p float32 (p: the group's ranks), an all-gather
+    of 8 B per rank, an allreduce of :data:`CALIB_LARGE_NUMEL` float32 and an all-gather of as many
+    bytes per rank (16 MiB: its own rate, gloo copies an all-gather's parts into the output),
+    medians over --alpha-reps calls, the large ones a thirtieth as many, at least 5; each call
+    after a barrier of the W ranks, the mean over ranks."""
+    a = bench.a
+    engines, timings = {}, {}
+    big = 4 * CALIB_LARGE_NUMEL
+    for level in levels:
+        p = W if level == "flat" else 2  # two nodes of L = 2: both hierarchical groups have 2 ranks
+        t = {}
+        for key, kind, n in (("small_allreduce_s", "allreduce", 2 * p), ("small_all_gather_s", "all_gather", 8),
+                             ("large_allreduce_s", "allreduce", CALIB_LARGE_NUMEL),
+                             ("large_all_gather_s", "all_gather", big)):
+            reps = a.alpha_reps if n < CALIB_LARGE_NUMEL else max(5, a.alpha_reps // 30)
+            ts = pool.run(job_collective, kind, n, reps, level, timeout=600)
+            t[key] = statistics.median(statistics.fmean(x[i] for x in ts) for i in range(reps))
+        eng = engine_from_timings(t, level)
+        bench.log(f"engine on {label}, {level} ({p} ranks): {eng!r} ({describe_timings(t, p)})")
+        engines[level], timings[level] = eng, t
+    return engines, timings
+
+
+def engine_from_timings(t, level):
+    """``planner.EngineCost.calibrate`` of one group shape's timings ``t`` (:func:`measure_engine`)."""
     from gradcomp import planner
 
-    a = bench.a
-    t = {}
-    for key, kind, n in (("small_allreduce_s", "allreduce", 2 * W), ("small_all_gather_s", "all_gather", 8),
-                         ("large_allreduce_s", "allreduce", CALIB_LARGE_NUMEL)):
-        reps = a.alpha_reps if n < CALIB_LARGE_NUMEL else max(5, a.alpha_reps // 30)
-        ts = pool.run(job_collective, kind, n, reps, timeout=600)
-        t[key] = statistics.median(statistics.fmean(x[i] for x in ts) for i in range(reps))
-    eng = planner.EngineCost.calibrate(W, t["small_allreduce_s"], t["small_all_gather_s"], t["large_allreduce_s"],
-                                       4.0 * CALIB_LARGE_NUMEL)
-    bench.log(f"engine on {label}: {eng!r} (allreduce of {2 * W} float32 {1e6 * t['small_allreduce_s']:.0f} us, "
-              f"all-gather of 8 B per rank {1e6 * t['small_all_gather_s']:.0f} us, allreduce of {CALIB_LARGE_NUMEL} "
-              f"float32 {1e3 * t['large_allreduce_s']:.1f} ms)")
-    return eng, t
+    big = 4 * CALIB_LARGE_NUMEL
+    p = W if level == "flat" else 2
+    return planner.EngineCost.calibrate(p, t["small_allreduce_s"], t["small_all_gather_s"], t["large_allreduce_s"], big,
+                                        large_all_gather=(t["large_all_gather_s"], big))
+
+
+def describe_timings(t, p):
+    """One calibration's timings, as the preamble and the log print them."""
+    return (f"allreduce of {2 * p} float32 {1e6 * t['small_allreduce_s']:.0f} us, all-gather of 8 B per rank "
+            f"{1e6 * t['small_all_gather_s']:.0f} us, allreduce of {CALIB_LARGE_NUMEL} float32 "
+            f"{1e3 * t['large_allreduce_s']:.1f} ms, all-gather of {4 * CALIB_LARGE_NUMEL} B per rank "
+            f"{1e3 * t['large_all_gather_s']:.1f} ms")
 
 
 def calibrate(bench, models, kinds):
@@ -634,7 +719,10 @@ def calibrate(bench, models, kinds):
         ctx = links.shaped_loopback("unlimited") if kind == "lo" else links.two_nodes("unlimited", ranks_per_node=L)
         with ctx as net:
             with GlooPool(W, threads=1, gloo_timeout_s=600, netns=net.rank_netns(W), env=net.rank_env(W)) as pool:
-                out["engine"][kind], out["engine_timings"][kind] = measure_engine(bench, pool, f"{kind}:unlimited")
+                if kind == "nodes":
+                    pool.run(job_groups)  # before the flat calibration: the state the rows run in
+                out["engine"][kind], out["engine_timings"][kind] = measure_engine(bench, pool, f"{kind}:unlimited",
+                                                                                  ENGINE_LEVELS[kind])
                 if kind != "lo":
                     continue
                 for m in models:
@@ -680,6 +768,80 @@ def _clean(o):
     return o
 
 
+def preamble_lines(calib, tbf, alpha_reps, hier, cores):
+    """The table's heading lines: the calibration, the tbf devices, the compute times, the method."""
+    lines = [
+        f"# slow_link: W = {W} gloo ranks (one thread each) on {cores} cores. Engine cost per setup kind "
+        f"and group shape (flat: the {W} ranks; intra / inter: hierarchical's 2-rank groups inside / across the "
+        f"nodes, both at once), calibrated once on its unshaped setup (planner.EngineCost.calibrate; each collective "
+        f"after a barrier, medians over {alpha_reps} calls): " + "; ".join(
+            f"{k} {lv}: {describe_timings(t, W if lv == 'flat' else 2)}: {calib['engine'][k][lv]!r}"
+            for k, ts in calib["engine_timings"].items() for lv, t in ts.items()) + ".",
+        "# tbf per shaped device: " + "; ".join(
+            f"{r}: rate {t['rate_bits_per_s']} bit/s, burst {t['burst_bytes']} B, limit {t['limit_bytes']} B (HZ {t['hz']})"
+            for r, t in tbf.items() if t),
+        "# compute per DDP step (noop hook, unshaped): " + ", ".join(
+            f"{m} {1e3 * v:.1f} ms" for m, v in calib["compute_s"].items()),
+        "# comm meas = median over steps of the sum over buckets of the compressor's comm_s (mean over ranks), every "
+        "collective started after a barrier; floor = the same row measured on the unshaped setup of the same kind; "
+        "tbf credit = comm phases per step x burst / rate, the most a token bucket can lend an idle link; "
+        "bytes: tc's Sent bytes per step (the alignment barriers' taken off) vs the planner's; payload ratio takes "
+        "66 B per packet off first.",
+    ]
+    if not hier:
+        lines.append("# hierarchical rows missing: 'hierarchical' is not in gradcomp.torch.compressor.SCHEME_CHOICES")
+    return lines
+
+
+def write_outputs(out, preamble, rows, skipped, wall, config):
+    """``out``/slow_link.md (the preamble, the table, the summary, the skipped rows) and
+    ``out``/slow_link.json (``config``, every row, the skipped ones); returns the summary lines."""
+    shaped = [r for r in rows if r["within"] is not None]
+    summary = (f"{sum(r['within'] for r in shaped)} of {len(shaped)} shaped rows within 15 %; "
+               f"{len(rows) - len(shaped)} unshaped (floor) rows; {len(skipped)} skipped; {wall:.0f} s")
+    skip = [f"- skipped {x['row']}: {x['why']}" for x in skipped]
+    lines = preamble + ["", HEAD, "|" + "---|" * NCOLS] + [fmt_row(r) for r in rows] + ["", summary] + skip
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "slow_link.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "slow_link.json"), "w") as f:
+        json.dump(_clean({"config": config, "rows": rows, "skipped": skipped, "wall_s": wall}), f, indent=1)
+    return [summary] + skip
+
+
+def repredict(path, out):
+    """Judge the rows of a saved run (``path``: its slow_link.json) again under the planner as it
+    is now (:func:`judge`; the engine costs recalibrated from the saved timings): rewrites
+    ``out``/slow_link.md and slow_link.json. Nothing is measured.
+
+    Raises:
+        ValueError: a JSON without the per-group-shape timings this version saves.
+    """
+    from gradcomp import Codec
+
+    with open(path) as f:
+        saved = json.load(f)
+    cfg = saved["config"]
+    calib = cfg["calibration"]
+    try:
+        calib["engine"] = {k: {lv: engine_from_timings(t, lv) for lv, t in ts.items()}
+                           for k, ts in calib["engine_timings"].items()}
+    except (KeyError, AttributeError, TypeError) as e:
+        raise ValueError(f"slow_link: {path}: no per-group-shape calibration timings ({e!r}); accepted: the "
+                         f"slow_link.json of this version of the bench") from e
+    models = {}
+    for r in saved["rows"]:
+        if r["setup"] not in models:
+            models[r["setup"]] = cost_model(r["kind"], r["rate"], calib["engine"][r["kind"]])
+        judge(r, models[r["setup"]], Codec(r["codec"]))
+    tbf = {k: v for k, v in cfg["tbf"].items()}
+    preamble = preamble_lines(calib, tbf, cfg["args"]["alpha_reps"], cfg["hierarchical"], cfg.get("cores", "?"))
+    preamble.insert(1, f"# judged again (--repredict {path}) under the planner as it is now; measured as saved")
+    config = dict(cfg, calibration=dict(calib, engine={k: {lv: e.to_dict() for lv, e in es.items()}
+                                                        for k, es in calib["engine"].items()}))
+    return write_outputs(out, preamble, saved["rows"], saved.get("skipped", []), saved.get("wall_s", 0.0), config)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short subset (see the docstring)")
@@ -689,14 +851,24 @@ def main(argv=None):
     ap.add_argument("--models", default=None, help="comma-separated: digits, mlp25m (default both)")
     ap.add_argument("--codecs", default=None, help="';'-separated codec specs (default: none, fp16, "
                     "topk:ratio=0.01 and the registered quantizers)")
-    ap.add_argument("--steps", type=int, default=None, help="measured steps per row (default: digits 5, mlp25m 3)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (default: digits 2, mlp25m 1)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per row (default: digits 40, mlp25m 5)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (default: digits 3, mlp25m 1)")
     ap.add_argument("--alpha-reps", type=int, default=300, help="small collectives timed for the engine cost "
-                    "(300; the large allreduce: a thirtieth, at least 5)")
+                    "(300; the large allreduce and all-gather: a thirtieth, at least 5)")
     ap.add_argument("--row-limit-s", type=float, default=60.0, help="seconds one row may take (60)")
     ap.add_argument("--budget-s", type=float, default=1800.0, help="seconds for the whole bench (1800)")
     ap.add_argument("--no-ddp", action="store_true", help="skip the DDP step measurements")
+    ap.add_argument("--repredict", metavar="JSON", default=None,
+                    help="measure nothing: judge a saved run's slow_link.json again under the planner as it is now, "
+                         "writing --out")
     a = ap.parse_args(argv)
+    if a.repredict:
+        try:
+            print("\n".join(repredict(a.repredict, a.out)))
+        except (OSError, ValueError) as e:
+            ap.error(f"--repredict: {e}")
+        print(f"wrote {os.path.join(a.out, 'slow_link.md')} and slow_link.json")
+        return 0
     if a.steps is not None and a.steps < 1 or a.warmup is not None and a.warmup < 0 or a.alpha_reps < 1:
         ap.error("--steps and --alpha-reps must be >= 1, --warmup >= 0")
     if a.quick:
@@ -732,27 +904,7 @@ def main(argv=None):
     bench = Bench(a)
     calib = calibrate(bench, sorted(per_model), [k for k, _ in setups])
     tbf = {r: links.tbf_params(r) for _, r in setups}
-    preamble = [
-        f"# slow_link: W = {W} gloo ranks (one thread each) on {os.cpu_count()} cores. Engine cost per setup kind, "
-        f"calibrated once on its unshaped setup (planner.EngineCost.calibrate; each collective after a barrier, "
-        f"medians over {a.alpha_reps} calls): " + "; ".join(
-            f"{k}: allreduce of {2 * W} float32 {1e6 * t['small_allreduce_s']:.0f} us, all-gather of 8 B per rank "
-            f"{1e6 * t['small_all_gather_s']:.0f} us, allreduce of {CALIB_LARGE_NUMEL} float32 "
-            f"{1e3 * t['large_allreduce_s']:.1f} ms: {calib['engine'][k]!r}"
-            for k, t in calib["engine_timings"].items()) + ".",
-        "# tbf per shaped device: " + "; ".join(
-            f"{r}: rate {t['rate_bits_per_s']} bit/s, burst {t['burst_bytes']} B, limit {t['limit_bytes']} B (HZ {t['hz']})"
-            for r, t in tbf.items() if t),
-        "# compute per DDP step (noop hook, unshaped): " + ", ".join(
-            f"{m} {1e3 * v:.1f} ms" for m, v in calib["compute_s"].items()),
-        "# comm meas = median over steps of the sum over buckets of the compressor's comm_s (mean over ranks), every "
-        "collective started after a barrier; floor = the same row measured on the unshaped setup of the same kind; "
-        "tbf credit = comm phases per step x burst / rate, the most a token bucket can lend an idle link; "
-        "bytes: tc's Sent bytes per step (the alignment barriers' taken off) vs the planner's; payload ratio takes "
-        "66 B per packet off first.",
-    ]
-    if not hier:
-        preamble.append("# hierarchical rows missing: 'hierarchical' is not in gradcomp.torch.compressor.SCHEME_CHOICES")
+    preamble = preamble_lines(calib, tbf, a.alpha_reps, hier, os.cpu_count())
     print("\n".join(preamble))
     print(HEAD)
     print("|" + "---|" * NCOLS, flush=True)
@@ -762,24 +914,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         bench.log("interrupted: writing what was measured")
     wall = time.perf_counter() - bench.t0
-    os.makedirs(a.out, exist_ok=True)
-    shaped = [r for r in bench.rows if r["within"] is not None]
-    summary = (f"{sum(r['within'] for r in shaped)} of {len(shaped)} shaped rows within 15 %; "
-               f"{len(bench.rows) - len(shaped)} unshaped (floor) rows; {len(bench.skipped)} skipped; {wall:.0f} s")
-    skipped = [f"- skipped {x['row']}: {x['why']}" for x in bench.skipped]
-    lines = preamble + ["", HEAD, "|" + "---|" * NCOLS] + [fmt_row(r) for r in bench.rows] + ["", summary] + skipped
-    with open(os.path.join(a.out, "slow_link.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(a.out, "slow_link.json"), "w") as f:
-        calib_out = dict(calib, engine={k: e.to_dict() for k, e in calib["engine"].items()})
-        json.dump(_clean({"config": {"world_size": W, "ranks_per_node": L, "tolerance": TOLERANCE,
-                                     "calibration": calib_out, "tbf": tbf, "args": vars(a), "hierarchical": hier,
-                                     "barrier_bytes": bench.barrier_bytes,
-                                     "header_bytes_per_packet": HEADER_BYTES},
-                          "rows": bench.rows, "skipped": bench.skipped, "wall_s": wall}), f, indent=1)
+    config = {"world_size": W, "ranks_per_node": L, "tolerance": TOLERANCE, "cores": os.cpu_count(),
+              "calibration": dict(calib, engine={k: {lv: e.to_dict() for lv, e in es.items()}
+                                                 for k, es in calib["engine"].items()}),
+              "tbf": tbf, "args": vars(a), "hierarchical": hier, "barrier_bytes": bench.barrier_bytes,
+              "header_bytes_per_packet": HEADER_BYTES}
+    summary = write_outputs(a.out, preamble, bench.rows, bench.skipped, wall, config)
     print()
-    print(summary)
-    print("\n".join(skipped))
+    print("\n".join(summary))
     print(f"wrote {os.path.join(a.out, 'slow_link.md')} and slow_link.json")
     return 0
 

@@ -45,10 +45,11 @@ in place; 0.4 against 1.0 GB/s here), each call after a barrier, medians over --
 of the mean over ranks; on two nodes after creating ``hierarchical``'s groups (:func:`job_groups`:
 the state every row of the setup runs in). On the loopback also the DDP bucket layouts and the
 compute time of a DDP step with PyTorch's ``noop_hook`` (forward + backward + SGD step, no
-communication; 4 ranks computing at once). The model of each setup (:func:`cost_model`) takes the engine costs (every
-collective takes the slower of the link and its group's engine), links without latency of their
-own (a tbf queues; alpha is the engine's) with the tbf's burst (lent once per collective), and on
-``nodes`` the node's loopback at the measured engine rate of the groups inside the nodes.
+communication; 4 ranks computing at once). The model of each setup (:func:`cost_model`) takes
+the engine costs (every collective takes the slower of the link and its group's engine), links
+without latency of their own (a tbf queues; alpha is the engine's) with the tbf's burst (lent
+once per collective), and on ``nodes`` the node's loopback at the measured engine rate of the
+groups inside the nodes.
 ``--repredict JSON`` judges a saved run again under the planner as it is now (:func:`judge`),
 measuring nothing.
 
@@ -171,8 +172,7 @@ def job_collective(rank, world, kind, numel, reps, level="flat"):
     """Times (s) of ``reps`` collectives, each started after a ``dist.barrier()`` of the whole
     world (as every collective of a row, :class:`AlignedProbe`), after 10 warm-up calls: ``kind``
     "allreduce" of ``numel`` float32 elements, "all_gather" of ``numel`` bytes per rank or
-    "all_to_all" of ``numel`` bytes per slot, over
-    ``level``'s group: "flat" the W ranks; "intra" this rank's node (L ranks; the N nodes' groups
+    "all_to_all" of ``numel`` bytes per slot, over ``level``'s group: "flat" the W ranks; "intra" this rank's node (L ranks; the N nodes' groups
     run at once) or "inter" its local rank's group across the nodes (N ranks; L groups at once),
     the groups of ``hierarchical`` (``gradcomp.schemes.groups``)."""
     import torch

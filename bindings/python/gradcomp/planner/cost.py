@@ -254,7 +254,8 @@ class EngineCost:
         named = [("small_allreduce_s", small_allreduce_s), ("small_all_gather_s", small_all_gather_s),
                  ("large_allreduce_s", large_allreduce_s), ("large_allreduce_bytes", large_allreduce_bytes)]
         if large_all_gather is not None:
-            named += [("large_all_gather seconds", large_all_gather[0]), ("large_all_gather bytes", large_all_gather[1])]
+            named += [("large_all_gather seconds", large_all_gather[0]),
+                      ("large_all_gather bytes", large_all_gather[1])]
         for name, v in named:
             if not float(v) > 0:
                 raise ValueError(f"planner: EngineCost.calibrate {name}={v}; accepted: > 0")

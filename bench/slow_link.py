@@ -171,10 +171,10 @@ def build_model(name):
 def job_collective(rank, world, kind, numel, reps, level="flat"):
     """Times (s) of ``reps`` collectives, each started after a ``dist.barrier()`` of the whole
     world (as every collective of a row, :class:`AlignedProbe`), after 10 warm-up calls: ``kind``
-    "allreduce" of ``numel`` float32 elements, "all_gather" of ``numel`` bytes per rank or
-    "all_to_all" of ``numel`` bytes per slot, over ``level``'s group: "flat" the W ranks; "intra" this rank's node (L ranks; the N nodes' groups
-    run at once) or "inter" its local rank's group across the nodes (N ranks; L groups at once),
-    the groups of ``hierarchical`` (``gradcomp.schemes.groups``)."""
+    "allreduce" of ``numel`` float32 elements or "all_gather" of ``numel`` bytes per rank, over
+    ``level``'s group: "flat" the W ranks; "intra" this rank's node (L ranks; the N nodes'
+    groups run at once) or "inter" its local rank's group across the nodes (N ranks; L groups at
+    once), the groups of ``hierarchical`` (``gradcomp.schemes.groups``)."""
     import torch
     import torch.distributed as dist
 
@@ -198,14 +198,8 @@ def job_collective(rank, world, kind, numel, reps, level="flat"):
 
         def call():
             dist.all_gather_into_tensor(out, x, group=group)
-    elif kind == "all_to_all":
-        x = torch.ones(numel * p, dtype=torch.uint8)
-        out = torch.empty(numel * p, dtype=torch.uint8)
-
-        def call():
-            dist.all_to_all_single(out, x, group=group)
     else:
-        raise ValueError(f"slow_link: calibration collective {kind!r}; accepted: allreduce, all_gather, all_to_all")
+        raise ValueError(f"slow_link: calibration collective {kind!r}; accepted: allreduce, all_gather")
     return timing.time_calls(call, reps, warmup=10, before=dist.barrier)
 
 
@@ -809,6 +803,11 @@ def write_outputs(out, preamble, rows, skipped, wall, config):
     return [summary] + skip
 
 
+def calibration_json(calib):
+    """:func:`calibrate`'s output with its engine costs as dicts (the JSON's ``calibration``)."""
+    return dict(calib, engine={k: {lv: e.to_dict() for lv, e in es.items()} for k, es in calib["engine"].items()})
+
+
 def repredict(path, out):
     """Judge the rows of a saved run (``path``: its slow_link.json) again under the planner as it
     is now (:func:`judge`; the engine costs recalibrated from the saved timings): rewrites
@@ -834,11 +833,9 @@ def repredict(path, out):
         if r["setup"] not in models:
             models[r["setup"]] = cost_model(r["kind"], r["rate"], calib["engine"][r["kind"]])
         judge(r, models[r["setup"]], Codec(r["codec"]))
-    tbf = {k: v for k, v in cfg["tbf"].items()}
-    preamble = preamble_lines(calib, tbf, cfg["args"]["alpha_reps"], cfg["hierarchical"], cfg.get("cores", "?"))
+    preamble = preamble_lines(calib, cfg["tbf"], cfg["args"]["alpha_reps"], cfg["hierarchical"], cfg.get("cores", "?"))
     preamble.insert(1, f"# judged again (--repredict {path}) under the planner as it is now; measured as saved")
-    config = dict(cfg, calibration=dict(calib, engine={k: {lv: e.to_dict() for lv, e in es.items()}
-                                                        for k, es in calib["engine"].items()}))
+    config = dict(cfg, calibration=calibration_json(calib))
     return write_outputs(out, preamble, saved["rows"], saved.get("skipped", []), saved.get("wall_s", 0.0), config)
 
 
@@ -915,8 +912,7 @@ def main(argv=None):
         bench.log("interrupted: writing what was measured")
     wall = time.perf_counter() - bench.t0
     config = {"world_size": W, "ranks_per_node": L, "tolerance": TOLERANCE, "cores": os.cpu_count(),
-              "calibration": dict(calib, engine={k: {lv: e.to_dict() for lv, e in es.items()}
-                                                 for k, es in calib["engine"].items()}),
+              "calibration": calibration_json(calib),
               "tbf": tbf, "args": vars(a), "hierarchical": hier, "barrier_bytes": bench.barrier_bytes,
               "header_bytes_per_packet": HEADER_BYTES}
     summary = write_outputs(a.out, preamble, bench.rows, bench.skipped, wall, config)

@@ -73,7 +73,7 @@ def job_levels(rank, world):
 
     sl = _slow_link()
     out = {lv: sl.job_collective(rank, world, kind, 8, 3, lv)
-           for lv, kind in (("intra", "all_gather"), ("inter", "allreduce"), ("flat", "all_to_all"))}
+           for lv, kind in (("intra", "all_gather"), ("inter", "allreduce"), ("flat", "all_gather"))}
     from gradcomp.schemes.groups import hierarchical_groups_for
 
     hg = hierarchical_groups_for(None, sl.L)

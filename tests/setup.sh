@@ -4,7 +4,9 @@
 #   clang with its sanitizer and libFuzzer runtimes for tests/sanitize.sh and tests/fuzz/run.sh),
 #   a project virtualenv .venv with pinned Python packages (tests/requirements.txt), and the
 #   gradcomp package built by scikit-build-core into .venv (build tree: build/py, which also holds
-#   the C++ tests and benchmarks; CUDA is built whenever nvcc is found, GRADCOMP_CUDA=AUTO).
+#   the C++ tests, as 8 ctest entries per test program (GRADCOMP_CTEST_SHARDS: its test process
+#   links cuBLAS, slow to start), and benchmarks; CUDA is built whenever nvcc is found,
+#   GRADCOMP_CUDA=AUTO).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,13 +25,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv 2>/dev/null || {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; "$PY" -m venv .venv; }
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+# --no-compile: no bytecode for the thousands of modules nothing imports (torch's); Python writes
+# it for the rest on first import
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -r tests/requirements.txt
 # DeepSpeed 0.19.8 (no 1-bit optimizers: gradcomp.optim's run as its client optimizers in
 # test_deepspeed_integration.py), pure Python, beside 0.19.6 in its own folder (--no-deps: its
 # dependencies are 0.19.6's, pinned above), put first on PYTHONPATH by that test only.
 if [ ! -f .venv/deepspeed-0.19.8/deepspeed-0.19.8.dist-info/METADATA ]; then
   rm -rf .venv/deepspeed-0.19.8
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps --no-build-isolation \
     --target .venv/deepspeed-0.19.8 deepspeed==0.19.8
 fi
 
@@ -43,5 +47,5 @@ archs=${GRADCOMP_CUDA_ARCHS:-80}
 echo "setup: building gradcomp (GRADCOMP_CUDA=${GRADCOMP_CUDA:-AUTO}, CUDA architectures $archs) into build/py"
 GRADCOMP_TESTS=ON GRADCOMP_BENCH=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
-  -Cbuild-dir=build/py -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$archs" .
+  -Cbuild-dir=build/py -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$archs" -Ccmake.define.GRADCOMP_CTEST_SHARDS=8 .
 echo "setup: done ($(.venv/bin/python -c 'import gradcomp, json; print(json.dumps(gradcomp.build_info()))'))"

@@ -25,15 +25,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv 2>/dev/null || {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; "$PY" -m venv .venv; }
 fi
-# --no-compile: no bytecode for the thousands of modules nothing imports (torch's); Python writes
-# it for the rest on first import
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -r tests/requirements.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
 # DeepSpeed 0.19.8 (no 1-bit optimizers: gradcomp.optim's run as its client optimizers in
 # test_deepspeed_integration.py), pure Python, beside 0.19.6 in its own folder (--no-deps: its
 # dependencies are 0.19.6's, pinned above), put first on PYTHONPATH by that test only.
 if [ ! -f .venv/deepspeed-0.19.8/deepspeed-0.19.8.dist-info/METADATA ]; then
   rm -rf .venv/deepspeed-0.19.8
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps --no-build-isolation \
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
     --target .venv/deepspeed-0.19.8 deepspeed==0.19.8
 fi
 

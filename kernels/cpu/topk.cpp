@@ -337,6 +337,56 @@ struct Entries {
   }
 };
 
+// k == 0 (nothing) or k == n (`all`: everything): one pass touches every element (x' into the
+// residual) and, for all, writes it. Returns the non-finite flag. (The loops that write entries
+// are functions of their own: clang rejects an OpenMP region inside a generic lambda that reads
+// the enclosing function's locals.)
+template <class E, class Src>
+uint32_t select_trivial(const E& entries, const Src& src, int64_t n, bool all, int T) {
+  uint32_t flag = 0;
+#pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = src.first(i);
+    flag |= !is_finite_bits(float_bits(y));
+    if (all) {
+      const float d = entries.put(i, i, y);
+      src.settle(i, d);
+      flag |= !is_finite_bits(float_bits(d));
+    }
+  }
+  return flag;
+}
+
+// The final scan: thread t writes, from entry w.dst[t] on, every key > hi of its part and the
+// first w.take[t] keys in [lo, hi], in index order, from the candidate buffer (`buffered`) or the
+// input. Returns whether a sent value is non-finite.
+template <class E, class Src>
+uint32_t emit_selected(const E& entries, const Src& src, const Workspace& w, int64_t n, uint32_t lo, uint32_t hi,
+                       bool buffered, int T) {
+  uint32_t nonfinite_sent = 0;
+#pragma omp parallel num_threads(T) reduction(| : nonfinite_sent)
+  for (int t = thread_id(); t < T; t += team_size()) {
+    int64_t o = w.dst[t], taken = 0;
+    auto emit = [&](int64_t i, float y) {
+      const uint32_t key = abs_key(y);
+      if (key < lo) return;
+      if (key > hi || taken++ < w.take[t]) {
+        const float d = entries.put(o++, i, y);
+        src.settle(i, d);
+        nonfinite_sent |= !is_finite_bits(float_bits(d));
+      }
+    };
+    if (buffered) {
+      for (int64_t j = w.off[t]; j < w.end[t]; ++j) emit(int64_t(w.cand_i[j]), bits_float(w.cand_y[j]));
+    } else {
+      int64_t b, e;
+      partition(n, T, t, b, e);
+      for (int64_t i = b; i < e; ++i) emit(i, src.again(i));
+    }
+  }
+  return nonfinite_sent;
+}
+
 template <class Src>
 void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, const EncodeContext& ctx, uint8_t* ws_base) {
   const int64_t n = p.numel, k = p.k;
@@ -346,18 +396,7 @@ void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, const EncodeCo
   const int T = p.threads;
 
   if (k == 0 || k == n) {  // trivial selections: nothing, or everything
-    out.visit([&](auto entries) {
-#pragma omp parallel for num_threads(T) schedule(static) reduction(| : flag)
-      for (int64_t i = 0; i < n; ++i) {
-        const float y = src.first(i);
-        flag |= !is_finite_bits(float_bits(y));
-        if (k == n) {
-          const float d = entries.put(i, i, y);
-          src.settle(i, d);
-          flag |= !is_finite_bits(float_bits(d));
-        }
-      }
-    });
+    out.visit([&](const auto& entries) { flag = select_trivial(entries, src, n, k == n, T); });
   } else {
     Workspace w(ws_base, T, p.candidate_capacity);
     const int64_t region = w.cap / T;
@@ -476,28 +515,7 @@ void topk_run(const TopKPlan& p, const Src& src, uint8_t* packet, const EncodeCo
       }
     }
     uint32_t nonfinite_sent = 0;
-    out.visit([&](auto entries) {  // the scan below compiled per (value, index) dtype pair
-#pragma omp parallel num_threads(T) reduction(| : nonfinite_sent)
-      for (int t = thread_id(); t < T; t += team_size()) {
-        int64_t o = dst[t], taken = 0;
-        auto emit = [&](int64_t i, float y) {
-          const uint32_t key = abs_key(y);
-          if (key < lo) return;
-          if (key > hi || taken++ < take[t]) {
-            const float d = entries.put(o++, i, y);
-            src.settle(i, d);
-            nonfinite_sent |= !is_finite_bits(float_bits(d));
-          }
-        };
-        if (buffered) {
-          for (int64_t j = w.off[t]; j < w.end[t]; ++j) emit(int64_t(w.cand_i[j]), bits_float(w.cand_y[j]));
-        } else {
-          int64_t b, e;
-          partition(n, T, t, b, e);
-          for (int64_t i = b; i < e; ++i) emit(i, src.again(i));
-        }
-      }
-    });
+    out.visit([&](const auto& entries) { nonfinite_sent = emit_selected(entries, src, w, n, lo, hi, buffered, T); });
     flag |= nonfinite_sent;
   }
   finish_packet(packet, p.layout, flag ? kFlagNonFinite : 0, ctx);

@@ -663,10 +663,16 @@ def test_invalid_thread_environment_is_an_error(value):
         assert "ERR" in p.stdout and "GRADCOMP_NUM_THREADS=''" in p.stdout
     else:
         assert f"ERR GRADCOMP_NUM_THREADS='{value}' is not an integer in [1, 1024]" in p.stdout, p.stdout
-    # a valid value is taken
-    env["GRADCOMP_NUM_THREADS"] = "3"
+
+
+def test_valid_thread_environment_is_taken():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GRADCOMP_NUM_THREADS="3")
     p = subprocess.run([sys.executable, "-c", "import gradcomp; print(gradcomp.get_num_threads())"],
                        capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "3"
 
 

@@ -7,7 +7,7 @@
 # with Debian's development packages and CUDA hidden, repaired by auditwheel and checked by the
 # contract suite (tests/pypi_only.sh).
 # Prints the time of each stage at the end. Exits non-zero on any failure.
-# (After a change, tests/quick.sh is the quick tier: about 90 s with its build kept.)
+# (After a change, tests/quick.sh is the quick tier: about 150 s with its build kept.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 times=()

@@ -8,8 +8,8 @@
 # GoogleTest shards (GRADCOMP_CTEST_SHARDS, tests/cpp/CMakeLists.txt): an ASan process takes 0.18 s
 # to start, most of the time of one process per test.
 # Compiled at -O1 with line tables (CMakeLists.txt: GRADCOMP_OPT for sanitizer builds; ASan's
-# recommended level, the same result bits). On this 2-core machine (2026-12-03, from scratch):
-# 168 s, of which ctest 61 s (286 s at -O3 -g, ctest 59 s; 306-335 s with three ISA variants before).
+# recommended level, the same result bits). On this 2-core machine (2026-12-05, from scratch, in
+# the test command): 128 s (190 s before the shards and the lighter top-k build; 286 s at -O3 -g).
 # The slowest entries under ASan are CpuIsa.VariantsGiveIdenticalPackets, TopKLarge.SampledPrefilter,
 # BlockQ.PacketsMatchAPlainLoop, TopK.SmallSweep and TopKLarge.FourMillion (the ctest label slow).
 set -euo pipefail

@@ -7,7 +7,8 @@
 # each target for a fixed time on both cores (-jobs=2 -workers=2, sharing one corpus):
 # fuzz_decode over every spec for 30 s, then fuzz_header for 10 s. The build is -O1 with line
 # tables (CMakeLists.txt: GRADCOMP_OPT; every ISA variant). From scratch on this 2-core machine
-# (2026-12-03) the stage took 167 s with 2.39 million executions (236 s and 1.94 million at -O3 -g);
+# (2026-12-05) the stage took 123 s with 2.26 million executions (167-182 s before the top-k
+# kernel's lighter build; 236 s and 1.94 million at -O3 -g);
 # with the build kept it is the fuzzing alone, about 50 s. The executions are
 # read from libFuzzer's final stats (stat::number_of_executed_units); fewer than
 # GRADCOMP_FUZZ_MIN_EXECS (default 10^6) in all fail the run. A crash fails the run; its input is

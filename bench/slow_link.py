@@ -649,6 +649,14 @@ one), IPv4 20, TCP with timestamps 32."""
 
 CALIB_LARGE_NUMEL = 1 << 22
 """Elements of the calibration's large float32 allreduce (16 MiB)."""
+CALIB_LARGE_BYTES = 4 * CALIB_LARGE_NUMEL
+"""Bytes per rank of the calibration's large all-gather (as many as the large allreduce)."""
+
+
+def group_ranks(level):
+    """Ranks of a calibrated group shape: the W ranks ("flat"), a node's L ("intra"), one per
+    node, W / L ("inter")."""
+    return {"flat": W, "intra": L, "inter": W // L}[level]
 
 
 ENGINE_LEVELS = {"lo": ("flat",), "nodes": ("flat", "intra", "inter")}
@@ -667,9 +675,9 @@ def measure_engine(bench, pool, label, levels):
     after a barrier of the W ranks, the mean over ranks."""
     a = bench.a
     engines, timings = {}, {}
-    big = 4 * CALIB_LARGE_NUMEL
+    big = CALIB_LARGE_BYTES
     for level in levels:
-        p = W if level == "flat" else 2  # two nodes of L = 2: both hierarchical groups have 2 ranks
+        p = group_ranks(level)
         t = {}
         for key, kind, n in (("small_allreduce_s", "allreduce", 2 * p), ("small_all_gather_s", "all_gather", 8),
                              ("large_allreduce_s", "allreduce", CALIB_LARGE_NUMEL),
@@ -687,9 +695,8 @@ def engine_from_timings(t, level):
     """``planner.EngineCost.calibrate`` of one group shape's timings ``t`` (:func:`measure_engine`)."""
     from gradcomp import planner
 
-    big = 4 * CALIB_LARGE_NUMEL
-    p = W if level == "flat" else 2
-    return planner.EngineCost.calibrate(p, t["small_allreduce_s"], t["small_all_gather_s"], t["large_allreduce_s"], big,
+    big = CALIB_LARGE_BYTES
+    return planner.EngineCost.calibrate(group_ranks(level), t["small_allreduce_s"], t["small_all_gather_s"], t["large_allreduce_s"], big,
                                         large_all_gather=(t["large_all_gather_s"], big))
 
 
@@ -697,7 +704,7 @@ def describe_timings(t, p):
     """One calibration's timings, as the preamble and the log print them."""
     return (f"allreduce of {2 * p} float32 {1e6 * t['small_allreduce_s']:.0f} us, all-gather of 8 B per rank "
             f"{1e6 * t['small_all_gather_s']:.0f} us, allreduce of {CALIB_LARGE_NUMEL} float32 "
-            f"{1e3 * t['large_allreduce_s']:.1f} ms, all-gather of {4 * CALIB_LARGE_NUMEL} B per rank "
+            f"{1e3 * t['large_allreduce_s']:.1f} ms, all-gather of {CALIB_LARGE_BYTES} B per rank "
             f"{1e3 * t['large_all_gather_s']:.1f} ms")
 
 
@@ -769,7 +776,7 @@ def preamble_lines(calib, tbf, alpha_reps, hier, cores):
         f"and group shape (flat: the {W} ranks; intra / inter: hierarchical's 2-rank groups inside / across the "
         f"nodes, both at once), calibrated once on its unshaped setup (planner.EngineCost.calibrate; each collective "
         f"after a barrier, medians over {alpha_reps} calls): " + "; ".join(
-            f"{k} {lv}: {describe_timings(t, W if lv == 'flat' else 2)}: {calib['engine'][k][lv]!r}"
+            f"{k} {lv}: {describe_timings(t, group_ranks(lv))}: {calib['engine'][k][lv]!r}"
             for k, ts in calib["engine_timings"].items() for lv, t in ts.items()) + ".",
         "# tbf per shaped device: " + "; ".join(
             f"{r}: rate {t['rate_bits_per_s']} bit/s, burst {t['burst_bytes']} B, limit {t['limit_bytes']} B (HZ {t['hz']})"

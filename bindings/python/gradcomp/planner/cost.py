@@ -128,6 +128,12 @@ LINK_LEVELS = {
 """Default link levels (bytes/s per rank, latency s); ``--link-gbps LEVEL=GBPS`` overrides."""
 
 
+def _ring_messages(kind: str, p: int) -> int:
+    """Sequential messages of a collective of ``kind`` over ``p`` ranks: 2 (p-1) for a ring
+    allreduce, p-1 for the others (Thakur, Rabenseifner & Gropp, IJHPCA 2005, section 2)."""
+    return 2 * (p - 1) if kind == "allreduce" else p - 1
+
+
 def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: float = 1.0,
                     engine: Optional["EngineCost"] = None) -> float:
     """Seconds of one collective (the alpha-beta formulas above) of ``nbytes`` (the buffer of an
@@ -151,10 +157,9 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: floa
     if p < 2:
         return 0.0
     beta = link.bytes_per_s / (p if link.shared else 1)
-    msgs, vol = {"allreduce": (2 * (p - 1), 2.0 * (p - 1) / p * nbytes),
-                 "reduce_scatter": (p - 1, (p - 1) / p * nbytes),
-                 "all_gather": (p - 1, (p - 1) * nbytes),
-                 "all_to_all": (p - 1, (p - 1) * nbytes)}[kind]
+    msgs = _ring_messages(kind, p)
+    vol = {"allreduce": 2.0 * (p - 1) / p * nbytes, "reduce_scatter": (p - 1) / p * nbytes,
+           "all_gather": (p - 1) * nbytes, "all_to_all": (p - 1) * nbytes}[kind]
     paced = vol
     if vol and link.burst_bytes and load > 0:  # the bucket's loan, of the bytes through it (p senders' if shared)
         paced = max(0.0, vol - link.burst_bytes / (load * (p if link.shared else 1)))
@@ -218,8 +223,9 @@ class EngineCost:
         ``per_collective_s + steps latency_s``, steps the ring's sequential messages (2 (p-1)
         for an allreduce, p-1 for a reduce-scatter or an all-gather) and 1 for an all-to-all
         (gloo posts its p-1 sends at once, then waits)."""
-        p = int(ranks)
-        steps = {"allreduce": 2 * (p - 1), "reduce_scatter": p - 1, "all_gather": p - 1, "all_to_all": 1}[kind]
+        if kind not in COLLECTIVES:
+            raise ValueError(f"planner: collective {kind!r}; accepted: {', '.join(COLLECTIVES)}")
+        steps = 1 if kind == "all_to_all" else _ring_messages(kind, int(ranks))
         return self.per_collective_s + steps * self.latency_s
 
     @classmethod

@@ -41,8 +41,11 @@ alpha: every ring segment holds data, unlike a 1-element allreduce, which gloo r
 exchange), an all-gather of 8 bytes per rank (per collective + (p-1) alpha), an allreduce of
 ``CALIB_LARGE_NUMEL`` float32 (the engine's bytes/s) and an all-gather of as many bytes per rank
 (the all-gather's own bytes/s: gloo copies every part into the output, where an allreduce sums
-in place; 0.4 against 1.0 GB/s here), each call after a barrier, medians over --alpha-reps calls
-of the mean over ranks; on two nodes after creating ``hierarchical``'s groups (:func:`job_groups`:
+in place; 0.4 against 1.0 GB/s here), each call after a barrier, means over --alpha-reps calls of
+the mean over ranks (not medians: a step's collectives add up, so the model needs each one's
+expected time; on 4 ranks sharing 2 cores a small collective's time is skewed and bimodal, e.g.
+a 2-rank all-gather of 8 B: 10th percentile 0.4 ms, median 0.7 or 1.0 ms from one pool to the
+next, mean 1.4 ms in both, 90th percentile 3.1-3.5 ms; bench/RESULTS.md); on two nodes after creating ``hierarchical``'s groups (:func:`job_groups`:
 the state every row of the setup runs in). On the loopback also the DDP bucket layouts and the
 compute time of a DDP step with PyTorch's ``noop_hook`` (forward + backward + SGD step, no
 communication; 4 ranks computing at once). The model of each setup (:func:`cost_model`) takes
@@ -671,8 +674,9 @@ def measure_engine(bench, pool, label, levels):
     ``EngineCost.calibrate`` from an allreduce of 2p float32 (p: the group's ranks), an all-gather
     of 8 B per rank, an allreduce of :data:`CALIB_LARGE_NUMEL` float32 and an all-gather of as many
     bytes per rank (16 MiB: its own rate, gloo copies an all-gather's parts into the output),
-    medians over --alpha-reps calls, the large ones a thirtieth as many, at least 5; each call
-    after a barrier of the W ranks, the mean over ranks."""
+    means over --alpha-reps calls (the expected time a step's collectives add up to; see the
+    module docstring), the large ones a thirtieth as many, at least 5; each call after a barrier
+    of the W ranks, the mean over ranks."""
     a = bench.a
     engines, timings = {}, {}
     big = CALIB_LARGE_BYTES
@@ -684,11 +688,21 @@ def measure_engine(bench, pool, label, levels):
                              ("large_all_gather_s", "all_gather", big)):
             reps = a.alpha_reps if n < CALIB_LARGE_NUMEL else max(5, a.alpha_reps // 30)
             ts = pool.run(job_collective, kind, n, reps, level, timeout=600)
-            t[key] = statistics.median(statistics.fmean(x[i] for x in ts) for i in range(reps))
+            t[key] = expected_s(ts)
         eng = engine_from_timings(t, level)
         bench.log(f"engine on {label}, {level} ({p} ranks): {eng!r} ({describe_timings(t, p)})")
         engines[level], timings[level] = eng, t
     return engines, timings
+
+
+def expected_s(per_rank):
+    """The expected time (s) of a calibration collective from ``per_rank`` (one list of call
+    times per rank, :func:`job_collective`): the mean over calls of the mean over ranks. A mean,
+    not a median: the model adds up a step's collectives, and the sum of many skewed times tends
+    to the sum of their means (on this host the median of a 2-rank all-gather also jumps between
+    the two modes of its time from one pool to the next; module docstring)."""
+    reps = len(per_rank[0])
+    return statistics.fmean(statistics.fmean(x[i] for x in per_rank) for i in range(reps))
 
 
 def engine_from_timings(t, level):
@@ -775,7 +789,7 @@ def preamble_lines(calib, tbf, alpha_reps, hier, cores):
         f"# slow_link: W = {W} gloo ranks (one thread each) on {cores} cores. Engine cost per setup kind "
         f"and group shape (flat: the {W} ranks; intra / inter: hierarchical's 2-rank groups inside / across the "
         f"nodes, both at once), calibrated once on its unshaped setup (planner.EngineCost.calibrate; each collective "
-        f"after a barrier, medians over {alpha_reps} calls): " + "; ".join(
+        f"after a barrier, means over {alpha_reps} calls): " + "; ".join(
             f"{k} {lv}: {describe_timings(t, group_ranks(lv))}: {calib['engine'][k][lv]!r}"
             for k, ts in calib["engine_timings"].items() for lv, t in ts.items()) + ".",
         "# tbf per shaped device: " + "; ".join(

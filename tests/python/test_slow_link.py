@@ -64,6 +64,14 @@ def test_calibration_collectives_on_gloo_ranks():
         run(2, job_bad_calibration)
 
 
+def test_calibration_takes_the_mean_over_calls():
+    """Per call the mean over ranks, then the mean over calls (a step's collectives add up),
+    not the median: 2 ranks, 4 calls, one slow."""
+    per_rank = [[1e-3, 1e-3, 1e-3, 10e-3], [1e-3, 3e-3, 1e-3, 10e-3]]
+    # per call: 1, 2, 1, 10 ms; their mean 3.5 ms (their median would be 1.5 ms)
+    assert _slow_link().expected_s(per_rank) == pytest.approx(3.5e-3)
+
+
 def job_bad_calibration(rank, world):
     return _slow_link().job_collective(rank, world, "broadcast", 8, 1)
 

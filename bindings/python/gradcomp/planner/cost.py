@@ -233,7 +233,9 @@ class EngineCost:
                   large_allreduce_s: float, large_allreduce_bytes: float, *,
                   large_all_gather: Optional[Tuple[float, float]] = None) -> "EngineCost":
         """The engine cost of a group of W = ``world_size`` ranks from unshaped timings
-        (seconds):
+        (seconds; expected times, i.e. means over many calls, not medians: the model adds up a
+        step's collectives, and where a collective's time is skewed, as on an oversubscribed
+        host, the sum of many tends to the sum of their means):
 
           - ``small_allreduce_s``: an allreduce of 2W float32 elements (every rank's ring
             segment holds data, unlike a 1-element one, which gloo sends as a shorter exchange):

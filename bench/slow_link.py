@@ -47,13 +47,12 @@ expected time; on 4 ranks sharing 2 cores a small collective's time is skewed an
 a 2-rank all-gather of 8 B: 10th percentile 0.4 ms, median 0.7 or 1.0 ms from one pool to the
 next, mean 1.4 ms in both, 90th percentile 3.1-3.5 ms; bench/RESULTS.md); on two nodes after
 creating ``hierarchical``'s groups (:func:`job_groups`: the state every row of the setup runs
-in). On the loopback also the DDP bucket layouts and the
-compute time of a DDP step with PyTorch's ``noop_hook`` (forward + backward + SGD step, no
-communication; 4 ranks computing at once). The model of each setup (:func:`cost_model`) takes
-the engine costs (every collective takes the slower of the link and its group's engine), links
-without latency of their own (a tbf queues; alpha is the engine's) with the tbf's burst (lent
-once per collective), and on ``nodes`` the node's loopback at the measured engine rate of the
-groups inside the nodes.
+in). On the loopback also the DDP bucket layouts and the compute time of a DDP step with
+PyTorch's ``noop_hook`` (forward + backward + SGD step, no communication; 4 ranks computing at
+once). The model of each setup (:func:`cost_model`) takes the engine costs (every collective
+takes the slower of the link and its group's engine), links without latency of their own (a tbf
+queues; alpha is the engine's) with the tbf's burst (lent once per collective), and on ``nodes``
+the node's loopback at the measured engine rate of the groups inside the nodes.
 ``--repredict JSON`` judges a saved run again under the planner as it is now (:func:`judge`),
 measuring nothing.
 

@@ -697,12 +697,12 @@ def measure_engine(bench, pool, label, levels):
 
 def expected_s(per_rank):
     """The expected time (s) of a calibration collective from ``per_rank`` (one list of call
-    times per rank, :func:`job_collective`): the mean over calls of the mean over ranks. A mean,
-    not a median: the model adds up a step's collectives, and the sum of many skewed times tends
-    to the sum of their means (on this host the median of a 2-rank all-gather also jumps between
-    the two modes of its time from one pool to the next; module docstring)."""
-    reps = len(per_rank[0])
-    return statistics.fmean(statistics.fmean(x[i] for x in per_rank) for i in range(reps))
+    times per rank, :func:`job_collective`, as many calls on each): the mean of them all, which
+    is the mean over calls of the mean over ranks. A mean, not a median: the model adds up a
+    step's collectives, and the sum of many skewed times tends to the sum of their means (on this
+    host the median of a 2-rank all-gather also jumps between the two modes of its time from one
+    pool to the next; module docstring)."""
+    return statistics.fmean(t for times in per_rank for t in times)
 
 
 def engine_from_timings(t, level):

@@ -41,7 +41,9 @@ alpha: every ring segment holds data, unlike a 1-element allreduce, which gloo r
 exchange), an all-gather of 8 bytes per rank (per collective + (p-1) alpha), an allreduce of
 ``CALIB_LARGE_NUMEL`` float32 (the engine's bytes/s) and an all-gather of as many bytes per rank
 (the all-gather's own bytes/s: gloo copies every part into the output, where an allreduce sums
-in place; 0.4 against 1.0 GB/s here), each call after a barrier, means over --alpha-reps calls of
+in place; 0.4 against 1.0 GB/s here) and an all-to-all of 8 bytes per slot (the all-to-all's
+fixed time, which ``two_phase`` pays: gloo posts its p-1 sends at once, so neither the allreduce
+nor the all-gather describes it), each call after a barrier, means over --alpha-reps calls of
 the mean over ranks (not medians: a step's collectives add up, so the model needs each one's
 expected time; on 4 ranks sharing 2 cores a small collective's time is skewed and bimodal, e.g.
 a 2-rank all-gather of 8 B: 10th percentile 0.4 ms, median 0.7 or 1.0 ms from one pool to the
@@ -174,7 +176,8 @@ def build_model(name):
 def job_collective(rank, world, kind, numel, reps, level="flat"):
     """Times (s) of ``reps`` collectives, each started after a ``dist.barrier()`` of the whole
     world (as every collective of a row, :class:`AlignedProbe`), after 10 warm-up calls: ``kind``
-    "allreduce" of ``numel`` float32 elements or "all_gather" of ``numel`` bytes per rank, over
+    "allreduce" of ``numel`` float32 elements, "all_gather" of ``numel`` bytes per rank or
+    "all_to_all" (``dist.all_to_all_single``, as ``two_phase``) of ``numel`` bytes per slot, over
     ``level``'s group: "flat" the W ranks; "intra" this rank's node (L ranks; the N nodes'
     groups run at once) or "inter" its local rank's group across the nodes (N ranks; L groups at
     once), the groups of ``hierarchical`` (``gradcomp.schemes.groups``)."""
@@ -201,8 +204,14 @@ def job_collective(rank, world, kind, numel, reps, level="flat"):
 
         def call():
             dist.all_gather_into_tensor(out, x, group=group)
+    elif kind == "all_to_all":
+        x = torch.ones(numel * p, dtype=torch.uint8)
+        out = torch.empty(numel * p, dtype=torch.uint8)
+
+        def call():
+            dist.all_to_all_single(out, x, group=group)
     else:
-        raise ValueError(f"slow_link: calibration collective {kind!r}; accepted: allreduce, all_gather")
+        raise ValueError(f"slow_link: calibration collective {kind!r}; accepted: allreduce, all_gather, all_to_all")
     return timing.time_calls(call, reps, warmup=10, before=dist.barrier)
 
 
@@ -673,8 +682,9 @@ def measure_engine(bench, pool, label, levels):
     ranks; "intra" / "inter" hierarchical's groups, the sibling groups running at once):
     ``EngineCost.calibrate`` from an allreduce of 2p float32 (p: the group's ranks), an all-gather
     of 8 B per rank, an allreduce of :data:`CALIB_LARGE_NUMEL` float32 and an all-gather of as many
-    bytes per rank (16 MiB: its own rate, gloo copies an all-gather's parts into the output),
-    means over --alpha-reps calls (the expected time a step's collectives add up to; see the
+    bytes per rank (16 MiB: its own rate, gloo copies an all-gather's parts into the output) and
+    an all-to-all of 8 B per slot (its fixed time, which ``two_phase`` pays; gloo posts an
+    all-to-all's sends at once, so the allreduce and the all-gather do not describe it), means over --alpha-reps calls (the expected time a step's collectives add up to; see the
     module docstring), the large ones a thirtieth as many, at least 5; each call after a barrier
     of the W ranks, the mean over ranks."""
     a = bench.a
@@ -685,7 +695,7 @@ def measure_engine(bench, pool, label, levels):
         t = {}
         for key, kind, n in (("small_allreduce_s", "allreduce", 2 * p), ("small_all_gather_s", "all_gather", 8),
                              ("large_allreduce_s", "allreduce", CALIB_LARGE_NUMEL),
-                             ("large_all_gather_s", "all_gather", big)):
+                             ("large_all_gather_s", "all_gather", big), ("small_all_to_all_s", "all_to_all", 8)):
             reps = a.alpha_reps if n < CALIB_LARGE_NUMEL else max(5, a.alpha_reps // 30)
             ts = pool.run(job_collective, kind, n, reps, level, timeout=600)
             t[key] = expected_s(ts)
@@ -706,12 +716,15 @@ def expected_s(per_rank):
 
 
 def engine_from_timings(t, level):
-    """``planner.EngineCost.calibrate`` of one group shape's timings ``t`` (:func:`measure_engine`)."""
+    """``planner.EngineCost.calibrate`` of one group shape's timings ``t`` (:func:`measure_engine`;
+    a run saved before the all-to-all was timed has no ``small_all_to_all_s``: the model then
+    infers the all-to-all's fixed time, as it did)."""
     from gradcomp import planner
 
     big = CALIB_LARGE_BYTES
     return planner.EngineCost.calibrate(group_ranks(level), t["small_allreduce_s"], t["small_all_gather_s"], t["large_allreduce_s"], big,
-                                        large_all_gather=(t["large_all_gather_s"], big))
+                                        large_all_gather=(t["large_all_gather_s"], big),
+                                        small_all_to_all_s=t.get("small_all_to_all_s"))
 
 
 def describe_timings(t, p):
@@ -719,7 +732,8 @@ def describe_timings(t, p):
     return (f"allreduce of {2 * p} float32 {1e6 * t['small_allreduce_s']:.0f} us, all-gather of 8 B per rank "
             f"{1e6 * t['small_all_gather_s']:.0f} us, allreduce of {CALIB_LARGE_NUMEL} float32 "
             f"{1e3 * t['large_allreduce_s']:.1f} ms, all-gather of {CALIB_LARGE_BYTES} B per rank "
-            f"{1e3 * t['large_all_gather_s']:.1f} ms")
+            f"{1e3 * t['large_all_gather_s']:.1f} ms"
+            + (f", all-to-all of 8 B per slot {1e6 * t['small_all_to_all_s']:.0f} us" if "small_all_to_all_s" in t else ""))
 
 
 def calibrate(bench, models, kinds):

@@ -144,7 +144,7 @@ def test_cost_model_engine_cost_reaches_every_collective():
     assert planner.PEER_CHECK_BYTES == 256
     assert close(m.peer_check_s(4), 2e-3 + 3 * 5e-4 + 3 * 256 / 1e9)
     assert m.describe()["engine_cost"] == {"per_collective_s": 2e-3, "bytes_per_s": 1e9, "latency_s": 5e-4,
-                                           "kind_bytes_per_s": {}}
+                                           "kind_bytes_per_s": {}, "kind_fixed_s": {}}
     assert planner.CostModel(planner.Link(1e9)).peer_check_s(1) == 0.0
 
 
@@ -175,6 +175,30 @@ def test_engine_cost_all_gather_rate_from_its_own_calibration():
         planner.EngineCost(0, 1e9, kind_bytes_per_s={"broadcast": 1e9})
     with pytest.raises(ValueError, match=r"kind_bytes_per_s\['all_gather'\]=0"):
         planner.EngineCost(0, 1e9, kind_bytes_per_s={"all_gather": 0})
+
+
+def test_engine_cost_all_to_all_fixed_time_from_its_own_calibration():
+    """A measured all-to-all of a few bytes per slot is the all-to-all's fixed time; without
+    one, the fixed time is inferred (per collective + one alpha); the other kinds keep theirs."""
+    W, c, a, r, B, s = 4, 2e-3, 4e-4, 1e9, 16 << 20, 3.1e-3
+    base = (W, c + 6 * a, c + 3 * a, c + 6 * a + 1.5 * B / r, B)
+    inferred = planner.EngineCost.calibrate(*base)
+    assert close(inferred.fixed_s("all_to_all", W), c + a) and inferred.kind_fixed_s == {}
+    e = planner.EngineCost.calibrate(*base, small_all_to_all_s=s)
+    assert e.kind_fixed_s == {"all_to_all": s} and e.fixed_s("all_to_all", W) == s
+    assert close(e.fixed_s("allreduce", W), c + 6 * a) and close(e.fixed_s("all_gather", W), c + 3 * a)
+    assert close(e.latency_s, a) and close(e.per_collective_s, c) and close(e.bytes_per_s, r)
+    # the all-to-all's volume still moves at the engine's rate; the link's time when slower
+    fast, slow, n = planner.Link(1e12, 0.0), planner.Link(1e6, 0.0), 1_000_000
+    assert close(planner.collective_time("all_to_all", n, W, fast, engine=e), s + 3 * n / r)
+    assert close(planner.collective_time("all_to_all", n, W, slow, engine=e), 3 * n / 1e6)
+    assert e.to_dict()["kind_fixed_s"] == {"all_to_all": s} and "all_to_all 3100 us fixed" in repr(e)
+    with pytest.raises(ValueError, match="small_all_to_all_s=0"):
+        planner.EngineCost.calibrate(*base, small_all_to_all_s=0.0)
+    with pytest.raises(ValueError, match="kind_fixed_s key 'gather'; accepted: allreduce"):
+        planner.EngineCost(0, 1e9, kind_fixed_s={"gather": 1e-3})
+    with pytest.raises(ValueError, match=r"kind_fixed_s\['all_to_all'\]=-1"):
+        planner.EngineCost(0, 1e9, kind_fixed_s={"all_to_all": -1})
 
 
 def test_cost_model_engine_cost_per_group_shape():
@@ -427,7 +451,8 @@ def test_cli_engine_cost(capsys):
             "nvlink=0", "--codec", "none", "--json"]
     assert planner_cli.main(argv + ["--engine-cost", "1000,500,1"]) == 0
     res = json.loads(capsys.readouterr().out)
-    want = {"per_collective_s": 1e-3, "latency_s": 5e-4, "bytes_per_s": 1e9, "kind_bytes_per_s": {}}
+    want = {"per_collective_s": 1e-3, "latency_s": 5e-4, "bytes_per_s": 1e9, "kind_bytes_per_s": {},
+            "kind_fixed_s": {}}
     assert res["inputs"]["cost_model"]["engine_cost"] == want
     dense = res["rows"][0]
     assert close(dense["comm_s"], 1e-3 + 6 * 5e-4 + 1.5 * 4e6 / 1e9, rel=1e-9)
@@ -436,7 +461,11 @@ def test_cli_engine_cost(capsys):
     # a fourth number: the all-gather's own rate
     e = planner_cli.parse_engine_cost("1000,500,1,0.25")
     assert e.kind_bytes_per_s == {"all_gather": 0.25e9} and e.bytes_per_s == 1e9
-    for bad in ("1000,500", "1000,500,1,2,3", "a,b,c", "1000,500,1,0"):
+    # a fifth: the all-to-all's measured fixed time, microseconds
+    e = planner_cli.parse_engine_cost("1000,500,1,0.25,2000")
+    assert e.kind_fixed_s == {"all_to_all": 2e-3} and close(e.fixed_s("all_to_all", 4), 2e-3)
+    assert close(e.fixed_s("allreduce", 4), 1e-3 + 6 * 5e-4)
+    for bad in ("1000,500", "1000,500,1,2,3,4", "a,b,c", "1000,500,1,0", "1000,500,1,0.25,-1"):
         with pytest.raises(ValueError, match="accepted"):
             planner_cli.parse_engine_cost(bad)
 
@@ -547,7 +576,7 @@ def test_cli_model_module(tmp_path, monkeypatch, capsys):
     (["--params", "1e6", "--link-gbps", "wifi=1"], "accepted"),
     (["--params", "1e6", "--accumulate", "0"], "accumulate"),
     (["--model", "nomodule"], "module:attr"),
-    (["--params", "1e6", "--engine-cost", "1,2"], "three or four numbers"),
+    (["--params", "1e6", "--engine-cost", "1,2"], "three to five numbers"),
     (["--params", "1e6", "--engine-cost", "1,2,0"], "bytes_per_s"),
 ])
 def test_cli_errors(argv, msg, capsys):

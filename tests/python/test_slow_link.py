@@ -54,13 +54,13 @@ def test_aligned_probe_on_gloo_ranks(spec, scheme, barriers, phases):
 
 def job_calibration(rank, world):
     sl = _slow_link()
-    return sl.job_collective(rank, world, "allreduce", 8, 4), sl.job_collective(rank, world, "all_gather", 8, 4)
+    return tuple(sl.job_collective(rank, world, kind, 8, 4) for kind in ("allreduce", "all_gather", "all_to_all"))
 
 
 def test_calibration_collectives_on_gloo_ranks():
-    for ar, ag in run(2, job_calibration):
-        assert len(ar) == 4 and len(ag) == 4 and all(t > 0 for t in ar + ag)
-    with pytest.raises(Exception, match="accepted: allreduce, all_gather"):
+    for ar, ag, a2a in run(2, job_calibration):
+        assert len(ar) == 4 and len(ag) == 4 and len(a2a) == 4 and all(t > 0 for t in ar + ag + a2a)
+    with pytest.raises(Exception, match="accepted: allreduce, all_gather, all_to_all"):
         run(2, job_bad_calibration)
 
 
@@ -105,6 +105,20 @@ def _timings(c, a, r, g, p):
     return {"small_allreduce_s": c + 2 * (p - 1) * a, "small_all_gather_s": c + (p - 1) * a,
             "large_allreduce_s": c + 2 * (p - 1) * a + 2 * (p - 1) / p * B / r,
             "large_all_gather_s": c + (p - 1) * a + (p - 1) * B / g}
+
+
+def test_engine_from_timings_takes_the_measured_all_to_all():
+    """The all-to-all's measured time is its fixed time; a run saved without one (before it was
+    timed) infers it, per collective + one alpha."""
+    sl = _slow_link()
+    c, a, r, g = 2e-3, 5e-4, 1e9, 4e8
+    t = _timings(c, a, r, g, sl.W)
+    old = sl.engine_from_timings(t, "flat")
+    assert old.kind_fixed_s == {} and math.isclose(old.fixed_s("all_to_all", sl.W), c + a, rel_tol=1e-9)
+    new = sl.engine_from_timings(dict(t, small_all_to_all_s=3.3e-3), "flat")
+    assert new.fixed_s("all_to_all", sl.W) == 3.3e-3
+    assert math.isclose(new.fixed_s("allreduce", sl.W), old.fixed_s("allreduce", sl.W), rel_tol=1e-12)
+    assert "all-to-all of 8 B per slot 3300 us" in sl.describe_timings(dict(t, small_all_to_all_s=3.3e-3), sl.W)
 
 
 def test_repredict_judges_a_saved_run_by_hand(tmp_path, capsys):

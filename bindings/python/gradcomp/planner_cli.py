@@ -138,12 +138,13 @@ def parse_levels(items: Optional[List[str]], kind: str) -> dict:
 
 
 def parse_engine_cost(text: Optional[str]) -> Optional[planner.EngineCost]:
-    """``--engine-cost US,ALPHA_US,GBYTES_PER_S[,ALL_GATHER_GBYTES_PER_S]`` as a
+    """``--engine-cost US,ALPHA_US,GBYTES_PER_S[,ALL_GATHER_GBYTES_PER_S[,ALL_TO_ALL_US]]`` as a
     :class:`gradcomp.planner.EngineCost` (None without one); the optional fourth number is the
-    all-gather's own rate (``kind_bytes_per_s["all_gather"]``).
+    all-gather's own rate (``kind_bytes_per_s["all_gather"]``), the optional fifth the
+    all-to-all's measured fixed time in microseconds (``kind_fixed_s["all_to_all"]``).
 
     Raises:
-        ValueError: not three or four numbers, or values EngineCost refuses (the message names
+        ValueError: not three to five numbers, or values EngineCost refuses (the message names
             them).
     """
     if text is None:
@@ -153,12 +154,14 @@ def parse_engine_cost(text: Optional[str]) -> Optional[planner.EngineCost]:
         nums = [float(p) for p in parts]
     except ValueError:
         nums = []
-    if len(nums) not in (3, 4):
-        raise ValueError(f"--engine-cost {text!r}; accepted: three or four numbers "
-                         f"US,ALPHA_US,GBYTES_PER_S[,ALL_GATHER_GBYTES_PER_S] (e.g. 1800,500,1.0 or 1800,500,1.0,0.4)")
+    if len(nums) not in (3, 4, 5):
+        raise ValueError(f"--engine-cost {text!r}; accepted: three to five numbers "
+                         f"US,ALPHA_US,GBYTES_PER_S[,ALL_GATHER_GBYTES_PER_S[,ALL_TO_ALL_US]] "
+                         f"(e.g. 1800,500,1.0 or 1800,500,1.0,0.4 or 1800,500,1.0,0.4,2000)")
     us, alpha_us, gbs = nums[:3]
-    kinds = {"all_gather": nums[3] * 1e9} if len(nums) == 4 else None
-    return planner.EngineCost(us * 1e-6, gbs * 1e9, alpha_us * 1e-6, kinds)
+    kinds = {"all_gather": nums[3] * 1e9} if len(nums) >= 4 else None
+    fixed = {"all_to_all": nums[4] * 1e-6} if len(nums) == 5 else None
+    return planner.EngineCost(us * 1e-6, gbs * 1e9, alpha_us * 1e-6, kinds, fixed)
 
 
 def build_model(args, W: int, L: int, rate_gbps: Optional[float] = None) -> planner.CostModel:
@@ -582,10 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--link-gbps", action="append", metavar="LEVEL=GBPS",
                     help="per-rank bandwidth of a level (nvlink, pcie, network, intra, inter), Gb/s")
     ap.add_argument("--latency-us", action="append", metavar="LEVEL=US", help="per-message latency of a level")
-    ap.add_argument("--engine-cost", default=None, metavar="US,ALPHA_US,GBYTES_PER_S[,AG_GBYTES_PER_S]",
+    ap.add_argument("--engine-cost", default=None, metavar="US,ALPHA_US,GBYTES_PER_S[,AG_GBYTES_PER_S[,A2A_US]]",
                     help="a CPU host's collective engine (gloo): microseconds per collective, alpha in "
                          "microseconds per sequential message, GB/s of volume, optionally the all-gather's own "
-                         "GB/s (planner.EngineCost; "
+                         "GB/s and then the all-to-all's measured fixed microseconds (planner.EngineCost; "
                          "bench/slow_link.py prints its calibration); every collective takes the slower of "
                          "its link and this")
     ap.add_argument("--nic-per-node", action="store_true",

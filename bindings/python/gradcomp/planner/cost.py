@@ -144,7 +144,7 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: Link, load: floa
     and the engine's: ``max(msgs alpha + load vol / beta, engine.fixed_s(kind, ranks) + vol /
     engine.rate(kind))``, the fixed time ``per_collective_s + steps latency_s`` with ``steps``
     the ring's sequential messages (``msgs``), but 1 for an all-to-all (gloo posts its W-1 sends
-    at once, then waits).
+    at once, then waits), or the kind's measured fixed time (:meth:`EngineCost.fixed_s`).
     The two overlap: gloo's threads do their per-collective and per-byte work (wake-ups, socket
     copies, the sum) while earlier segments are on the wire. 0.0 for ranks < 2.
 
@@ -178,6 +178,10 @@ class EngineCost:
     ``kind_bytes_per_s`` (optional): the rate of a collective kind that moves its volume at
     another rate, e.g. ``{"all_gather": 0.4e9}`` (gloo's all-gather copies every rank's part
     into the output, where an allreduce sums in place); :meth:`rate` gives a kind's rate.
+    ``kind_fixed_s`` (optional): the measured fixed time (s) of a collective kind whose
+    wake-ups and messages the ring's count does not describe, at the group size this cost
+    describes, e.g. ``{"all_to_all": 2.0e-3}`` (gloo posts an all-to-all's p-1 sends at once and
+    then waits on all of them); :meth:`fixed_s` gives a kind's fixed time.
     :func:`collective_time` takes the slower of this and the link's alpha-beta time.
 
     The model is Hockney's latency-bandwidth one (alpha + n / beta) applied to the engine's
@@ -189,14 +193,15 @@ class EngineCost:
     then predicts its shaped rows, and where it misses).
 
     Raises:
-        ValueError: per_collective_s < 0, latency_s < 0, bytes_per_s <= 0, or a
-            ``kind_bytes_per_s`` key that is not a collective or a rate <= 0.
+        ValueError: per_collective_s < 0, latency_s < 0, bytes_per_s <= 0, a
+            ``kind_bytes_per_s`` key that is not a collective or a rate <= 0, or a
+            ``kind_fixed_s`` key that is not a collective or a time < 0.
     """
 
-    __slots__ = ("per_collective_s", "bytes_per_s", "latency_s", "kind_bytes_per_s")
+    __slots__ = ("per_collective_s", "bytes_per_s", "latency_s", "kind_bytes_per_s", "kind_fixed_s")
 
     def __init__(self, per_collective_s: float, bytes_per_s: float, latency_s: float = 0.0,
-                 kind_bytes_per_s: Optional[dict] = None):
+                 kind_bytes_per_s: Optional[dict] = None, kind_fixed_s: Optional[dict] = None):
         if not float(per_collective_s) >= 0:
             raise ValueError(f"planner: EngineCost per_collective_s={per_collective_s}; accepted: >= 0")
         if not float(bytes_per_s) > 0:
@@ -210,8 +215,15 @@ class EngineCost:
             if not float(v) > 0:
                 raise ValueError(f"planner: EngineCost kind_bytes_per_s[{k!r}]={v}; accepted: > 0 (inf allowed)")
             kinds[k] = float(v)
+        fixed = {}
+        for k, v in (kind_fixed_s or {}).items():
+            if k not in COLLECTIVES:
+                raise ValueError(f"planner: EngineCost kind_fixed_s key {k!r}; accepted: {', '.join(COLLECTIVES)}")
+            if not float(v) >= 0:
+                raise ValueError(f"planner: EngineCost kind_fixed_s[{k!r}]={v}; accepted: >= 0 (seconds)")
+            fixed[k] = float(v)
         self.per_collective_s, self.bytes_per_s = float(per_collective_s), float(bytes_per_s)
-        self.latency_s, self.kind_bytes_per_s = float(latency_s), kinds
+        self.latency_s, self.kind_bytes_per_s, self.kind_fixed_s = float(latency_s), kinds, fixed
 
     def rate(self, kind: str) -> float:
         """Bytes/s of volume for a collective of ``kind``: its own rate when given, else
@@ -219,19 +231,23 @@ class EngineCost:
         return self.kind_bytes_per_s.get(kind, self.bytes_per_s)
 
     def fixed_s(self, kind: str, ranks: int) -> float:
-        """Seconds of a collective of ``kind`` over ``ranks`` ranks before its volume:
-        ``per_collective_s + steps latency_s``, steps the ring's sequential messages (2 (p-1)
-        for an allreduce, p-1 for a reduce-scatter or an all-gather) and 1 for an all-to-all
-        (gloo posts its p-1 sends at once, then waits)."""
+        """Seconds of a collective of ``kind`` over ``ranks`` ranks before its volume: the
+        kind's measured ``kind_fixed_s`` when given (whatever ``ranks``: it was measured at the
+        group size this cost describes), else ``per_collective_s + steps latency_s``, steps the
+        ring's sequential messages (2 (p-1) for an allreduce, p-1 for a reduce-scatter or an
+        all-gather) and 1 for an all-to-all (gloo posts its p-1 sends at once, then waits)."""
         if kind not in COLLECTIVES:
             raise ValueError(f"planner: collective {kind!r}; accepted: {', '.join(COLLECTIVES)}")
+        if kind in self.kind_fixed_s:
+            return self.kind_fixed_s[kind]
         steps = 1 if kind == "all_to_all" else _ring_messages(kind, int(ranks))
         return self.per_collective_s + steps * self.latency_s
 
     @classmethod
     def calibrate(cls, world_size: int, small_allreduce_s: float, small_all_gather_s: float,
                   large_allreduce_s: float, large_allreduce_bytes: float, *,
-                  large_all_gather: Optional[Tuple[float, float]] = None) -> "EngineCost":
+                  large_all_gather: Optional[Tuple[float, float]] = None,
+                  small_all_to_all_s: Optional[float] = None) -> "EngineCost":
         """The engine cost of a group of W = ``world_size`` ranks from unshaped timings
         (seconds; expected times, i.e. means over many calls, not medians: the model adds up a
         step's collectives, and where a collective's time is skewed, as on an oversubscribed
@@ -245,7 +261,10 @@ class EngineCost:
           - ``large_allreduce_s``: an allreduce of ``large_allreduce_bytes`` (B): the small one
             plus 2 (W-1)/W B / bytes_per_s;
           - optional, ``large_all_gather=(seconds, P)``: an all-gather of P bytes per rank: the
-            small all-gather plus (W-1) P / the all-gather's rate.
+            small all-gather plus (W-1) P / the all-gather's rate;
+          - optional, ``small_all_to_all_s``: an all-to-all of a few bytes per slot: the
+            all-to-all's fixed time (``kind_fixed_s["all_to_all"]``; without it the fixed time
+            is per_collective + alpha, inferred from the other two kinds).
 
         Solves alpha = (small_allreduce - small_all_gather) / (W-1) and per_collective =
         small_all_gather - (W-1) alpha (each at least 0; alpha 0 when the all-gather is not
@@ -264,6 +283,8 @@ class EngineCost:
         if large_all_gather is not None:
             named += [("large_all_gather seconds", large_all_gather[0]),
                       ("large_all_gather bytes", large_all_gather[1])]
+        if small_all_to_all_s is not None:
+            named += [("small_all_to_all_s", small_all_to_all_s)]
         for name, v in named:
             if not float(v) > 0:
                 raise ValueError(f"planner: EngineCost.calibrate {name}={v}; accepted: > 0")
@@ -276,15 +297,18 @@ class EngineCost:
         kinds = {}
         if large_all_gather is not None:
             kinds["all_gather"] = rate((W - 1) * float(large_all_gather[1]), large_all_gather[0], small_all_gather_s)
+        fixed = {"all_to_all": float(small_all_to_all_s)} if small_all_to_all_s is not None else None
         return cls(per_coll, rate(2.0 * (W - 1) / W * float(large_allreduce_bytes), large_allreduce_s,
-                                  small_allreduce_s), alpha, kinds)
+                                  small_allreduce_s), alpha, kinds, fixed)
 
     def to_dict(self) -> dict:
         return {"per_collective_s": self.per_collective_s, "bytes_per_s": self.bytes_per_s,
-                "latency_s": self.latency_s, "kind_bytes_per_s": dict(self.kind_bytes_per_s)}
+                "latency_s": self.latency_s, "kind_bytes_per_s": dict(self.kind_bytes_per_s),
+                "kind_fixed_s": dict(self.kind_fixed_s)}
 
     def __repr__(self) -> str:
         kinds = "".join(f", {k} {v / 1e9:g} GB/s" for k, v in self.kind_bytes_per_s.items())
+        kinds += "".join(f", {k} {1e6 * v:g} us fixed" for k, v in self.kind_fixed_s.items())
         return (f"EngineCost({1e6 * self.per_collective_s:g} us per collective, alpha {1e6 * self.latency_s:g} us, "
                 f"{self.bytes_per_s / 1e9:g} GB/s{kinds})")
 

@@ -684,9 +684,10 @@ def measure_engine(bench, pool, label, levels):
     of 8 B per rank, an allreduce of :data:`CALIB_LARGE_NUMEL` float32 and an all-gather of as many
     bytes per rank (16 MiB: its own rate, gloo copies an all-gather's parts into the output) and
     an all-to-all of 8 B per slot (its fixed time, which ``two_phase`` pays; gloo posts an
-    all-to-all's sends at once, so the allreduce and the all-gather do not describe it), means over --alpha-reps calls (the expected time a step's collectives add up to; see the
-    module docstring), the large ones a thirtieth as many, at least 5; each call after a barrier
-    of the W ranks, the mean over ranks."""
+    all-to-all's sends at once, so the allreduce and the all-gather do not describe it), means
+    over --alpha-reps calls (the expected time a step's collectives add up to; see the module
+    docstring), the large ones a thirtieth as many, at least 5; each call after a barrier of the
+    W ranks, the mean over ranks."""
     a = bench.a
     engines, timings = {}, {}
     big = CALIB_LARGE_BYTES
